@@ -1,0 +1,169 @@
+"""Configuration: which policy applies to which rule, and where it came from.
+
+Three layers, last wins:
+
+1. ``install(policy, rules=...)`` sets the process-wide configuration
+   (``None`` reads ``CKPT_GUARD_POLICY`` / ``CKPT_GUARD_RULES``).
+2. ``with policy(...)`` overrides it in a scope.  The scope lives in a
+   ``contextvars.ContextVar`` so threads and asyncio tasks never see each
+   other's scopes.
+3. A per-rule override (``rules={"CKG003": "warn"}``) beats the base policy of
+   its layer.
+
+The configuration in force is read when ``checkpoint`` is *called* and carried
+with the call: the recompute may run on an autograd worker thread, which
+inherits neither ``threading.local`` nor ``contextvars``.
+
+No torch here: ``import ckpt_guard`` must stay torch-free.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+POLICIES: tuple[str, ...] = ("off", "warn", "fallback", "strict")
+DEFAULT_POLICY = "strict"
+ENV_POLICY = "CKPT_GUARD_POLICY"
+ENV_RULES = "CKPT_GUARD_RULES"
+
+# How severe an action each policy takes; when several rules fire, the most
+# severe one decides what happens.
+SEVERITY = {"off": 0, "warn": 1, "fallback": 2, "strict": 3}
+
+
+@dataclass(frozen=True)
+class Config:
+    """An immutable, validated configuration."""
+
+    policy: str = DEFAULT_POLICY
+    overrides: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        """False when every rule is off: the patch points then step aside at once."""
+        return self.policy != "off" or any(p != "off" for p in self.overrides.values())
+
+    def policy_for(self, rule_id: str) -> str:
+        return self.overrides.get(rule_id, self.policy)
+
+    def describe(self) -> str:
+        if not self.overrides:
+            return self.policy
+        rules = ",".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
+        return f"{self.policy} (rules: {rules})"
+
+
+def _known_rule_ids() -> tuple[str, ...]:
+    from ._rules import RULE_IDS
+
+    return RULE_IDS
+
+
+def check_policy(value: object, source: str) -> str:
+    """Return ``value`` as a policy name, or raise one clear ``ValueError``."""
+    if isinstance(value, str) and value.strip().lower() in POLICIES:
+        return value.strip().lower()
+    raise ValueError(
+        f"ckpt_guard: unknown policy {value!r} from {source}; "
+        f"valid choices: {', '.join(POLICIES)}"
+    )
+
+
+def _check_rule_id(rule_id: object, source: str) -> str:
+    known = _known_rule_ids()
+    if isinstance(rule_id, str) and rule_id.strip().upper() in known:
+        return rule_id.strip().upper()
+    raise ValueError(
+        f"ckpt_guard: unknown rule id {rule_id!r} from {source}; "
+        f"valid rule ids: {', '.join(known)}"
+    )
+
+
+def parse_rules_spec(spec: str, source: str) -> dict[str, str]:
+    """Parse ``"CKG001=warn,CKG003=off"`` (spaces and a trailing comma allowed)."""
+    overrides: dict[str, str] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        rule_id, sep, policy_name = item.partition("=")
+        if not sep or not rule_id.strip() or not policy_name.strip():
+            raise ValueError(
+                f"ckpt_guard: malformed rule override {item!r} in {source}={spec!r}; "
+                f"expected ID=POLICY[,ID=POLICY...], e.g. CKG001=warn, "
+                f"with POLICY one of {', '.join(POLICIES)}"
+            )
+        overrides[_check_rule_id(rule_id, source)] = check_policy(
+            policy_name, f"{source} (rule {rule_id.strip()})"
+        )
+    return overrides
+
+
+def check_rules(rules: object, source: str) -> dict[str, str]:
+    """Validate a rules argument: a mapping ``{id: policy}`` or an ``ID=P,...`` string."""
+    if rules is None:
+        return {}
+    if isinstance(rules, str):
+        return parse_rules_spec(rules, source)
+    if not isinstance(rules, Mapping):
+        raise ValueError(
+            f"ckpt_guard: {source} must be a mapping of rule id to policy "
+            f"(e.g. {{'CKG001': 'warn'}}), got {rules!r}"
+        )
+    return {
+        _check_rule_id(rule_id, source): check_policy(p, f"{source}[{rule_id!r}]")
+        for rule_id, p in rules.items()
+    }
+
+
+def build_config(
+    policy: str | None, rules: Mapping[str, str] | str | None, *, read_env: bool
+) -> Config:
+    """Validate arguments, falling back to the environment when ``read_env``."""
+    if policy is None and read_env:
+        env_value = os.environ.get(ENV_POLICY, "")
+        base = (
+            check_policy(env_value, f"environment variable {ENV_POLICY}")
+            if env_value.strip()
+            else DEFAULT_POLICY
+        )
+    elif policy is None:
+        base = DEFAULT_POLICY
+    else:
+        base = check_policy(policy, "argument 'policy'")
+    if rules is None and read_env:
+        overrides = parse_rules_spec(
+            os.environ.get(ENV_RULES, ""), f"environment variable {ENV_RULES}"
+        )
+    else:
+        overrides = check_rules(rules, "argument 'rules'")
+    return Config(base, overrides)
+
+
+# The installed configuration (process-wide) and the scoped one (per context).
+_installed: Config = Config("off")
+_scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
+    "ckpt_guard_scoped_config", default=None
+)
+
+
+def set_installed(config: Config) -> None:
+    global _installed
+    _installed = config
+
+
+def current() -> Config:
+    """The configuration in force for a checkpoint call made now, in this context."""
+    scoped = _scoped.get()
+    return _installed if scoped is None else scoped
+
+
+def push_scope(config: Config) -> contextvars.Token:
+    return _scoped.set(config)
+
+
+def pop_scope(token: contextvars.Token) -> None:
+    _scoped.reset(token)

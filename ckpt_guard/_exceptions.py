@@ -1,0 +1,35 @@
+"""The two things ckpt_guard raises or warns with.
+
+This module must not import torch: users filter the warning (``-W``,
+``PYTHONWARNINGS``) and catch the error before torch is necessarily loaded.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._rules import Rule
+
+__all__ = ["CheckpointCompositionError", "CheckpointCompositionWarning"]
+
+
+class CheckpointCompositionError(RuntimeError):
+    """A checkpoint call composes with its surroundings in a way torch gets wrong.
+
+    Subclasses ``RuntimeError`` so existing ``except RuntimeError`` code keeps
+    working. ``.rule`` is the rule record that fired (``.rule.id``,
+    ``.rule.title``, ...).
+    """
+
+    def __init__(self, message: str, rule: Rule) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
+class CheckpointCompositionWarning(UserWarning):
+    """Emitted by the ``warn`` and ``fallback`` policies; ``.rule`` as above."""
+
+    def __init__(self, message: str, rule: Rule) -> None:
+        super().__init__(message)
+        self.rule = rule

@@ -1,0 +1,336 @@
+"""Patch points: where every checkpoint call passes, and how they are swapped.
+
+Every way into activation checkpointing ends in one of two internal choke
+points of ``torch.utils.checkpoint``, both looked up *at call time* as module
+globals:
+
+* reentrant: ``CheckpointFunction.apply(function, preserve_rng_state, *args)``;
+  we shadow the inherited classmethod on ``CheckpointFunction`` only;
+* non-reentrant: ``_checkpoint_without_reentrant_generator(fn, ..., *args,
+  **kwargs)``; we replace the module global (and the copy that
+  ``torch.distributed._composable.checkpoint_activation`` imported).
+
+So ``checkpoint``, ``checkpoint_sequential``, names bound before ``install()``
+(``from torch.utils.checkpoint import checkpoint``, ``functools.partial``,
+``checkpoint_wrapper``) and the composable ``checkpoint(module)`` are all
+covered, while the public ``checkpoint`` function, which dynamo recognises by
+identity, is never touched.
+
+Two more, smaller patches feed the messages and the drift rules:
+
+* ``torch.utils.checkpoint.warnings`` becomes a proxy whose ``warn`` marks the
+  calling ``checkpoint`` frame when torch warns that ``use_reentrant`` was not
+  passed (so messages can say torch *defaulted* to the reentrant variant);
+* the generator inside ``torch.nn.utils.stateless._reparametrize_module`` (the
+  swap behind ``torch.func.functional_call``) is wrapped through the closure
+  cell of its ``@contextmanager`` wrapper, so parameter swaps become visible
+  while the function object dynamo recognises stays the same.
+
+``install()`` works before ``import torch``: a wrapt post-import hook on
+``torch`` applies the patches once torch has finished importing.  Hooks cannot
+be unregistered, so the hook checks whether the guard is still installed.
+``uninstall()`` puts back every replaced object, identical by ``is``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import warnings
+from typing import Any, Callable, List, Optional
+
+from . import _config
+
+MIN_TORCH = (2, 4)
+
+_lock = threading.RLock()
+_installed = False
+_hook_registered = False
+# (restore function, description) for every patch currently applied
+_applied: List[Callable[[], None]] = []
+
+
+class _Missing(Exception):
+    """A choke point is not where this torch version was expected to have it."""
+
+
+def _warn_unguarded(what: str, why: str) -> None:
+    warnings.warn(
+        f"ckpt_guard: cannot patch {what} on torch {_torch_version()} ({why}); "
+        f"calls through it stay unguarded. Everything else is guarded.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", "?")
+
+
+def check_torch_version(version: str) -> None:
+    """Raise one clear error for a torch older than the minimum we support."""
+    try:
+        major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return  # a dev build with an odd version string: try our best
+    if (major, minor) < MIN_TORCH:
+        raise RuntimeError(
+            f"ckpt_guard: torch {version} (torch.__version__) is not supported; "
+            f"ckpt_guard needs torch >= {'.'.join(map(str, MIN_TORCH))}. "
+            "Upgrade torch, or do not install the guard."
+        )
+
+
+# --------------------------------------------------------------------------
+# the guarded choke points
+
+
+def _count_fixed_params(function: Callable[..., Any]) -> int:
+    """How many positional parameters precede ``*args`` (6 on torch 2.13)."""
+    params = inspect.signature(function).parameters.values()
+    fixed = 0
+    for param in params:
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            return fixed
+        if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            fixed += 1
+    raise _Missing("its signature has no *args")
+
+
+def _no_checkpoint_generator():
+    """Stands in for torch's generator when the fallback runs without checkpointing."""
+    yield
+
+
+def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+    from . import _decide, _state
+
+    n_fixed = _count_fixed_params(original)
+    current_config = _config.current
+    call_is_quiet = _state.call_is_quiet
+    is_compiling = _state.is_compiling
+    is_grad_enabled = _state.is_grad_enabled
+    Recompute = _decide.Recompute
+    PROCEED = _decide.PROCEED
+
+    def _checkpoint_without_reentrant_generator(*args: Any, **kwargs: Any):
+        config = current_config()
+        if not config.active or is_compiling():
+            return original(*args, **kwargs)
+        function = args[0]
+        if not call_is_quiet(False, args[n_fixed:]):
+            if _decide.decide_call(False, function, args[n_fixed:], config) != PROCEED:
+                return _no_checkpoint_generator()
+        if not is_grad_enabled():
+            return original(*args, **kwargs)  # nothing will be recomputed
+        recompute = Recompute(False, config)
+        if recompute.anticipated_risk is not None and _decide.anticipate(recompute, False) != PROCEED:
+            return _no_checkpoint_generator()
+        return original(recompute.wrap(function, skip_first_call=False), *args[1:], **kwargs)
+
+    _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
+    return _checkpoint_without_reentrant_generator
+
+
+def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
+    from . import _decide, _state
+
+    current_config = _config.current
+    call_is_quiet = _state.call_is_quiet
+    is_compiling = _state.is_compiling
+    is_grad_enabled = _state.is_grad_enabled
+    Recompute = _decide.Recompute
+
+    def apply(cls, function, preserve_rng_state, *args):
+        config = current_config()
+        if not config.active or is_compiling():
+            return raw_apply(cls, function, preserve_rng_state, *args)
+        if not call_is_quiet(True, args):
+            outcome = _decide.decide_call(True, function, args, config)
+            if outcome == _decide.NO_CHECKPOINT:
+                return function(*args)
+            if outcome == _decide.NON_REENTRANT_INSTEAD:
+                import torch.utils.checkpoint as tuc
+
+                return tuc.checkpoint(
+                    function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
+                )
+        if not is_grad_enabled():
+            return raw_apply(cls, function, preserve_rng_state, *args)
+        recompute = Recompute(True, config)
+        if recompute.anticipated_risk is not None and _decide.anticipate(recompute, True) != _decide.PROCEED:
+            return function(*args)
+        return raw_apply(cls, recompute.wrap(function, skip_first_call=True), preserve_rng_state, *args)
+
+    apply.__ckpt_guard_original__ = raw_apply  # type: ignore[attr-defined]
+    return classmethod(apply)
+
+
+class _WarningsProxy:
+    """Stands in for ``warnings`` inside ``torch.utils.checkpoint``.
+
+    When torch warns that ``use_reentrant`` was not passed, mark the warning
+    frame (``checkpoint`` or ``checkpoint_sequential``) so a later message can
+    say torch defaulted to the reentrant variant.  The mark lives in the
+    frame's locals and dies with the frame; nothing else changes.
+    """
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def warn(self, message: Any, category: Any = None, stacklevel: int = 1, source: Any = None, **kwargs: Any) -> None:
+        if isinstance(message, str) and "use_reentrant parameter should be passed explicitly" in message:
+            from ._decide import DEFAULTED_MARK
+
+            sys._getframe(1).f_locals[DEFAULTED_MARK] = True
+        self._real.warn(message, category, stacklevel + 1, source, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# applying and undoing
+
+
+def _set_attr(obj: Any, name: str, value: Any) -> None:
+    """Replace ``obj.name`` and remember how to put the original back."""
+    had = name in vars(obj)
+    original = vars(obj).get(name)
+    setattr(obj, name, value)
+
+    def restore() -> None:
+        if had:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
+
+    _applied.append(restore)
+
+
+def _patch_checkpoint_module() -> None:
+    import torch.utils.checkpoint as tuc
+
+    original_generator = getattr(tuc, "_checkpoint_without_reentrant_generator", None)
+    if original_generator is None or not inspect.isgeneratorfunction(original_generator):
+        _warn_unguarded(
+            "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
+            "not found" if original_generator is None else "not a generator function",
+        )
+    else:
+        try:
+            guarded = make_guarded_generator(original_generator)
+        except _Missing as exc:
+            _warn_unguarded("torch.utils.checkpoint._checkpoint_without_reentrant_generator", str(exc))
+        else:
+            _set_attr(tuc, "_checkpoint_without_reentrant_generator", guarded)
+            composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+            if composable is not None and getattr(
+                composable, "_checkpoint_without_reentrant_generator", None
+            ) is original_generator:
+                _set_attr(composable, "_checkpoint_without_reentrant_generator", guarded)
+
+    function_class = getattr(tuc, "CheckpointFunction", None)
+    apply_descriptor = inspect.getattr_static(function_class, "apply", None) if function_class else None
+    if not isinstance(apply_descriptor, classmethod):
+        _warn_unguarded(
+            "torch.utils.checkpoint.CheckpointFunction.apply",
+            "CheckpointFunction not found" if function_class is None else "apply is not a classmethod",
+        )
+    else:
+        _set_attr(function_class, "apply", make_guarded_apply(apply_descriptor.__func__))
+
+    if getattr(tuc, "warnings", None) is warnings:
+        _set_attr(tuc, "warnings", _WarningsProxy(warnings))
+
+
+def _patch_reparametrize() -> None:
+    from . import _state
+
+    try:
+        import torch.nn.utils.stateless as stateless
+
+        cell = stateless._reparametrize_module.__closure__[0]  # type: ignore[index]
+        original = cell.cell_contents
+        if not inspect.isgeneratorfunction(original):
+            raise TypeError("its @contextmanager closure does not hold a generator function")
+    except (ImportError, AttributeError, TypeError, IndexError, ValueError) as exc:
+        _warn_unguarded("torch.nn.utils.stateless._reparametrize_module", str(exc))
+        return
+    cell.cell_contents = _state.make_tracked_reparametrize(original)
+
+    def restore() -> None:
+        cell.cell_contents = original
+
+    _applied.append(restore)
+
+
+def _apply_patches() -> None:
+    """Patch torch (which must be fully imported); idempotent."""
+    with _lock:
+        if not _installed or _applied:
+            return
+        import torch
+
+        check_torch_version(torch.__version__)
+        _patch_checkpoint_module()
+        _patch_reparametrize()
+
+
+def _on_torch_imported(module: Any) -> None:
+    """wrapt post-import hook: patch once torch is importable (never raise into an import)."""
+    try:
+        _apply_patches()
+    except RuntimeError as exc:
+        warnings.warn(f"{exc} The guard stays inactive.", RuntimeWarning, stacklevel=2)
+
+
+def install(config: _config.Config) -> None:
+    global _installed, _hook_registered
+    with _lock:
+        _config.set_installed(config)
+        if _installed:
+            return
+        if "torch" in sys.modules and getattr(sys.modules["torch"], "__version__", None):
+            # torch is (fully) imported: patch now, and let a bad version raise here.
+            import torch
+
+            check_torch_version(torch.__version__)
+            _installed = True
+            try:
+                _apply_patches()
+            except BaseException:
+                _installed = False
+                _undo()
+                raise
+            return
+        _installed = True
+        if not _hook_registered:
+            import wrapt
+
+            wrapt.register_post_import_hook(_on_torch_imported, "torch")
+            _hook_registered = True
+
+
+def _undo() -> None:
+    while _applied:
+        _applied.pop()()
+
+
+def uninstall() -> None:
+    global _installed
+    with _lock:
+        _installed = False
+        _undo()
+        _config.set_installed(_config.Config("off"))
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def patched_objects() -> Optional[int]:
+    """How many patches are applied (for tests and diagnostics)."""
+    return len(_applied)

@@ -1,0 +1,602 @@
+"""The rule table: one record per known-bad composition, each with a live probe.
+
+A rule is data.  Call-time rules carry a predicate over
+:class:`ckpt_guard._state.CallState`; recompute-time (drift) rules carry a
+reader, called in the forward and again when the recompute starts, and a way
+to render its value as "was → now".  Every rule carries a *probe*: the smallest
+program that shows the composition, parameterised by the checkpoint function
+to use, so the same program yields the uncheckpointed reference, raw torch's
+behaviour and the guarded behaviour (see ``tests/test_rules.py`` and
+``python -m ckpt_guard``).  A rule's claim about torch is only as good as its
+probe on the installed torch.
+
+Adding a rule means adding one record (and its probe) below.  If it reads
+state the table has never read, extend ``CallState`` / ``call_is_quiet`` in
+``_state.py`` too.
+
+This module does not import torch at import time (``import ckpt_guard`` and the
+configuration check need the rule ids without torch); predicates, readers and
+probes import it when they run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._state import CallState
+
+__all__ = ["Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RULE_IDS", "rule_by_id"]
+
+#: A probe runs one composition with the given checkpoint function and
+#: ``use_reentrant`` value (``None``: not passed) and returns tensors to compare.
+Probe = Callable[[Callable[..., Any], Optional[bool]], Sequence[Any]]
+
+REENTRANT, NON_REENTRANT = "reentrant", "non-reentrant"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One known-bad composition of checkpointing with its surroundings."""
+
+    id: str
+    title: str
+    stage: str  # "call" (decided when checkpoint is called) or "recompute"
+    variants: tuple[str, ...]  # which checkpoint variants the rule is about
+    trigger: str
+    symptom: str  # what torch does without the guard, in words
+    symptom_kind: str  # "raises" or "silently wrong" (per variant: see symptom_by_variant)
+    remedy: str
+    refs: tuple[str, ...]
+    torch_versions: str
+    probe: Probe = field(repr=False)
+    fallback: str = ""  # what the fallback policy runs instead
+    #: call stage: predicate over CallState
+    applies: Optional[Callable[["CallState"], bool]] = field(default=None, repr=False)
+    #: recompute stage: the ``_state`` function that reads the state, called in
+    #: the forward and again when the recompute starts ...
+    read: str = ""
+    #: ... and the ``_state`` function that renders one value for "was → now"
+    render: str = ""
+    #: recompute stage: regex of torch's own error per variant, where it raises
+    symptom_by_variant: tuple[tuple[str, str], ...] = ()
+    raises_match: str = ""  # regex torch's own error matches (call-stage rules)
+
+    def symptom_for(self, variant: str) -> str:
+        """"raises" or "silently wrong" for one variant."""
+        return dict(self.symptom_by_variant).get(variant, self.symptom_kind)
+
+
+def _variant_kwargs(use_reentrant: Optional[bool]) -> dict:
+    return {} if use_reentrant is None else {"use_reentrant": use_reentrant}
+
+
+def _grads(*tensors: Any) -> list:
+    """Gradients of ``tensors``; a missing gradient reads as zeros (it contributes nothing)."""
+    import torch
+
+    return [torch.zeros_like(t) if t.grad is None else t.grad for t in tensors]
+
+
+# ==========================================================================
+# Call-time rules
+# ==========================================================================
+
+
+def _probe_grad_transform(ckpt, use_reentrant):
+    """Per-sample gradients: vmap(grad(loss)) with a checkpointed block inside."""
+    import torch
+    from torch.func import grad, vmap
+
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
+
+    def block(t):
+        return torch.tanh(t @ w)
+
+    def loss(t):
+        return ckpt(block, t, **_variant_kwargs(use_reentrant)).sum()
+
+    return [vmap(grad(loss))(x)]
+
+
+def _probe_vmap_forward(ckpt, use_reentrant):
+    """A checkpointed block under vmap, forward only."""
+    import torch
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
+    return [vmap(lambda t: ckpt(lambda u: torch.tanh(u @ w), t, **_variant_kwargs(use_reentrant)))(x)]
+
+
+def _probe_vmap_backward(ckpt, use_reentrant):
+    """vmap over a checkpointed block whose inputs require grad, backward outside the vmap."""
+    import torch
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = vmap(lambda t: ckpt(lambda u: torch.tanh(u @ w), t, **_variant_kwargs(use_reentrant)))(x)
+    y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_forward_ad(ckpt, use_reentrant):
+    """Forward-mode AD: a dual tensor goes through a checkpointed block."""
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    w, x, tangent = torch.randn(3, 3), torch.randn(4, 3), torch.randn(4, 3)
+    with fwAD.dual_level():
+        out = ckpt(lambda u: torch.tanh(u @ w), fwAD.make_dual(x, tangent), **_variant_kwargs(use_reentrant))
+        primal, jvp = fwAD.unpack_dual(out)
+    return [primal, jvp]
+
+
+def _probe_hooks_disabled(ckpt, use_reentrant):
+    """A training step inside ``disable_saved_tensors_hooks`` (as some libraries do)."""
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with torch.autograd.graph.disable_saved_tensors_hooks("saved tensor hooks are disabled here"):
+        y = ckpt(lambda u: torch.tanh(u @ w), x, **_variant_kwargs(use_reentrant))
+        y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_no_input_grad(ckpt, use_reentrant):
+    """The first block of a model is checkpointed; its input (data) does not require grad."""
+    import torch
+
+    torch.manual_seed(0)
+    block, head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    h = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    head(torch.relu(h)).sum().backward()
+    return [h.detach(), *_grads(block.weight, block.bias, head.weight)]
+
+
+def _under_grad_transform(s: "CallState") -> bool:
+    return "grad" in s.transform_names
+
+
+_FIX_MOVE = "move the checkpoint call outside the torch.func transform"
+_FIX_NR = "pass use_reentrant=False"
+
+_CALL_RULES = [
+    Rule(
+        id="CKG001",
+        title="non-reentrant checkpoint under a torch.func grad transform",
+        stage="call",
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=False) runs with grad enabled under torch.func.grad, vjp, "
+            "jacrev or hessian, at any depth (e.g. vmap(grad(f)))"
+        ),
+        symptom=(
+            "raises RuntimeError: torch.func.{grad, vjp, jacrev, hessian} don't yet support "
+            "saved tensor hooks (an error that never mentions checkpointing)"
+        ),
+        symptom_kind="raises",
+        raises_match=r"don't yet support saved tensor hooks",
+        remedy=(
+            f"{_FIX_MOVE}, or drop checkpointing inside it (policy 'fallback' runs the block "
+            "without checkpointing: correct gradients, no memory saving for this block)"
+        ),
+        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        refs=(
+            "https://github.com/pytorch/functorch/issues/993",
+            "https://github.com/pytorch/pytorch/pull/85972",
+            "https://github.com/pytorch/pytorch/issues/122729",
+            "https://github.com/pytorch/pytorch/issues/141845",
+        ),
+        torch_versions=">=2.0 (saved tensor hooks disabled under grad transforms since pytorch#85972); measured on 2.13",
+        probe=_probe_grad_transform,
+        applies=lambda s: not s.reentrant and s.grad_enabled and _under_grad_transform(s),
+    ),
+    Rule(
+        id="CKG002",
+        title="reentrant checkpoint under a torch.func transform",
+        stage="call",
+        variants=(REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=True, or not passed) runs under any torch.func transform "
+            "(grad, vjp, jacrev, hessian, vmap, jvp, jacfwd, functionalize)"
+        ),
+        symptom=(
+            "raises RuntimeError: In order to use an autograd.Function with functorch transforms "
+            "... it must override the setup_context staticmethod (CheckpointFunction does not)"
+        ),
+        symptom_kind="raises",
+        raises_match=r"must override the setup_context staticmethod",
+        remedy=(
+            f"{_FIX_NR} (works under vmap, jvp, jacfwd and functionalize), or {_FIX_MOVE}"
+        ),
+        fallback="runs it with use_reentrant=False when that is safe here, else without checkpointing",
+        refs=(
+            "https://github.com/pytorch/functorch/issues/993",
+            "https://github.com/pytorch/pytorch/pull/89859",
+        ),
+        torch_versions=">=2.0 (autograd.Function needs setup_context under torch.func); measured on 2.13",
+        probe=_probe_vmap_forward,
+        applies=lambda s: s.reentrant and bool(s.transforms),
+    ),
+    Rule(
+        id="CKG003",
+        title="non-reentrant checkpoint under vmap, output carries autograd history out of the vmap",
+        stage="call",
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=False) under vmap (and no grad transform) with grad enabled "
+            "while its inputs or the parameters inside require grad: a later .backward() outside "
+            "the vmap must recompute a vmapped function outside the vmap"
+        ),
+        symptom=(
+            "raises at backward: RuntimeError: Either your tensor may have escaped from inside a "
+            "function being vmapped and this is a user error ... gen_vmap_plumbing"
+        ),
+        symptom_kind="raises",
+        raises_match=r"escaped from inside a function being vmapped",
+        remedy=(
+            "compute gradients inside the transform (torch.func.grad / vjp under vmap needs no "
+            "checkpointing), or checkpoint outside the vmap, or run the vmap under torch.no_grad() "
+            "if no backward is intended"
+        ),
+        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        refs=(
+            "https://github.com/pytorch/pytorch/issues/165880",
+            "https://github.com/pytorch/pytorch/issues/122729",
+        ),
+        torch_versions=">=2.5 (vmap allows saved tensor hooks since pytorch#131191); measured on 2.13",
+        probe=_probe_vmap_backward,
+        applies=lambda s: (
+            not s.reentrant
+            and s.grad_enabled
+            and "vmap" in s.transform_names
+            and not _under_grad_transform(s)
+            and (s.inputs_require_grad or s.params_require_grad)
+        ),
+    ),
+    Rule(
+        id="CKG004",
+        title="reentrant checkpoint under forward-mode AD",
+        stage="call",
+        variants=(REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=True, or not passed) inside torch.autograd.forward_ad.dual_level "
+            "with a dual tensor among the inputs or the parameters"
+        ),
+        symptom=(
+            "raises NotImplementedError: You must implement the jvp function for custom "
+            "autograd.Function to use it with forward mode AD"
+        ),
+        symptom_kind="raises",
+        raises_match=r"You must implement the jvp function",
+        remedy=f"{_FIX_NR}: the non-reentrant variant supports forward-mode AD",
+        fallback="runs it with use_reentrant=False",
+        refs=(
+            "https://github.com/pytorch/pytorch/pull/64061",
+            "https://github.com/pytorch/pytorch/issues/129293",
+        ),
+        torch_versions=">=1.11 (forward AD for custom Functions needs jvp); measured on 2.13",
+        probe=_probe_forward_ad,
+        applies=lambda s: s.reentrant and s.forward_ad_active and s.dual_inputs,
+    ),
+    Rule(
+        id="CKG005",
+        title="non-reentrant checkpoint while saved-tensor hooks are disabled",
+        stage="call",
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=False) with grad enabled inside "
+            "torch.autograd.graph.disable_saved_tensors_hooks(...) (outside torch.func grad "
+            "transforms, which CKG001 covers)"
+        ),
+        symptom="raises RuntimeError with the message given to disable_saved_tensors_hooks",
+        symptom_kind="raises",
+        raises_match=r"saved tensor hooks are disabled here",
+        remedy=(
+            "checkpoint outside the disable_saved_tensors_hooks block, or run this block without "
+            "checkpointing (policy 'fallback' does that)"
+        ),
+        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        refs=("https://github.com/pytorch/pytorch/pull/85971",),
+        torch_versions=">=2.0 (disable_saved_tensors_hooks); measured on 2.13",
+        probe=_probe_hooks_disabled,
+        applies=lambda s: (
+            not s.reentrant
+            and s.grad_enabled
+            and not s.saved_tensor_hooks_enabled
+            and not _under_grad_transform(s)
+        ),
+    ),
+    Rule(
+        id="CKG006",
+        title="reentrant checkpoint with no input requiring grad: the block's parameters get no gradient",
+        stage="call",
+        variants=(REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=True, or not passed) with grad enabled, no tensor input "
+            "requiring grad, and parameters inside the function (an nn.Module, its bound method, a "
+            "functools.partial or closure holding one) that do"
+        ),
+        symptom=(
+            "silently wrong gradients: torch only warns 'None of the inputs have "
+            "requires_grad=True', the output does not require grad, and the block's parameters "
+            "get no gradient while the rest of the model trains"
+        ),
+        symptom_kind="silently wrong",
+        remedy=f"{_FIX_NR} (it tracks parameters used inside), or make an input require grad",
+        fallback="runs it with use_reentrant=False",
+        refs=(
+            "https://github.com/pytorch/pytorch/issues/7617",
+            "https://github.com/pytorch/pytorch/issues/6884",
+        ),
+        torch_versions="all versions with the reentrant variant; measured on 2.13",
+        probe=_probe_no_input_grad,
+        applies=lambda s: (
+            s.reentrant
+            and s.grad_enabled
+            and not s.inputs_require_grad
+            and s.params_require_grad
+            and not s.transforms
+        ),
+    ),
+]
+
+
+# ==========================================================================
+# Recompute-time (drift) rules
+# ==========================================================================
+
+
+def _probe_functional_call(ckpt, use_reentrant):
+    """A module with a checkpointed block, called through functional_call with new parameters."""
+    import torch
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            h = ckpt(lambda t: torch.tanh(self.inner(t)), x, **_variant_kwargs(use_reentrant))
+            return self.outer(h)
+
+    net = Net()
+    new = {k: (v.detach() * 1.5 + 0.1).requires_grad_() for k, v in net.named_parameters()}
+    x = torch.randn(4, 3, requires_grad=True)
+    out = functional_call(net, new, (x,))
+    out.sum().backward()
+    return [out.detach(), *_grads(x, *new.values(), *net.parameters())]
+
+
+def _probe_dispatch_mode(ckpt, use_reentrant):
+    """A user TorchDispatchMode (doubles sin) active in the forward, backward run outside it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DoubleSin(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 2 if func is torch.ops.aten.sin.default else out
+
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with DoubleSin():
+        y = ckpt(lambda t: torch.sin(t) * w, x, **_variant_kwargs(use_reentrant))
+    y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_function_mode(ckpt, use_reentrant):
+    """A user TorchFunctionMode (doubles sin) active in the forward and around .backward()."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class DoubleSin(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 2 if func is torch.sin else out
+
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with DoubleSin():
+        y = ckpt(lambda t: torch.sin(t) * w, x, **_variant_kwargs(use_reentrant))
+        y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_vmap_closure(ckpt, use_reentrant):
+    """vmap forward over a checkpointed block whose parameters hide in an object, backward outside."""
+    import torch
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    weights = {"w": torch.randn(3, 3, requires_grad=True)}
+    x = torch.randn(4, 3)
+    y = vmap(lambda t: ckpt(lambda u: torch.tanh(u @ weights["w"]), t, **_variant_kwargs(use_reentrant)))(x)
+    y.sum().backward()
+    return [y.detach(), *_grads(weights["w"])]
+
+
+def _probe_default_dtype(ckpt, use_reentrant):
+    """The block creates a constant; the default dtype changes between forward and backward."""
+    import torch
+
+    def block(t):
+        big = torch.tensor(2.0**24)
+        return t * ((big + 1) - big)  # 0 in float32, 1 in float64
+
+    x = torch.ones(3, requires_grad=True)
+    previous = torch.get_default_dtype()
+    try:
+        y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+        torch.set_default_dtype(torch.float64)
+        y.sum().backward()
+    finally:
+        torch.set_default_dtype(previous)
+    return [y.detach(), *_grads(x)]
+
+
+_DRIFT_FALLBACK = (
+    "runs the function without checkpointing whenever this risk is visible at call time; "
+    "a drift first seen at recompute is raised as under strict (nothing can repair it then)"
+)
+
+_DRIFT_RULES = [
+    Rule(
+        id="CKG101",
+        title="parameter swap ended before the recompute (torch.func.functional_call)",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "the forward ran inside torch.func.functional_call (torch's _reparametrize_module) and "
+            "the recompute runs after that swap was undone, or under a different one"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the recompute reads the module's own parameters, "
+            "so the swapped-in parameters and the inputs get wrong gradients (reentrant: the "
+            "module's own parameters get gradients instead)"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "call .backward() (or torch.autograd.grad) inside the functional_call, e.g. compute the "
+            "loss and gradients with torch.func.grad(lambda p: loss(functional_call(model, p, x))), "
+            "or disable checkpointing for stateless calls"
+        ),
+        fallback=_DRIFT_FALLBACK,
+        refs=(
+            "https://github.com/pytorch/pytorch/pull/61447",
+            "https://github.com/pytorch/functorch/issues/993",
+        ),
+        torch_versions=">=2.0 (torch.func.functional_call); measured on 2.13",
+        probe=_probe_functional_call,
+        read="current_swaps",
+        render="describe_swaps",
+    ),
+    Rule(
+        id="CKG102",
+        title="user dispatch mode active in the forward, missing at recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "a user TorchDispatchMode was active when checkpoint ran the forward, and the recompute "
+            "runs without it or under a different dispatch-mode stack (torch's own modes are ignored)"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the recompute runs without the mode, so the tensors "
+            "it saves for backward differ from the forward's"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "run .backward() inside the same dispatch mode, or keep the mode out of the "
+            "checkpointed region, or re-enter it in the recompute with context_fn "
+            "(use_reentrant=False)"
+        ),
+        fallback=_DRIFT_FALLBACK,
+        refs=("https://github.com/pytorch/pytorch/pull/148919",),
+        torch_versions=">=2.0; measured on 2.13",
+        probe=_probe_dispatch_mode,
+        read="user_dispatch_modes",
+        render="describe_modes",
+    ),
+    Rule(
+        id="CKG103",
+        title="user function mode active in the forward, missing at recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "a user TorchFunctionMode was active when checkpoint ran the forward, and the recompute "
+            "runs without it; Tensor.backward itself runs with function modes popped, so this "
+            "happens even when .backward() is called inside the mode (torch.device contexts, which "
+            "torch restores itself, are ignored)"
+        ),
+        symptom="returns silently wrong gradients: the recompute runs without the mode",
+        symptom_kind="silently wrong",
+        remedy=(
+            "keep the function mode out of the checkpointed region, or re-enter it in the "
+            "recompute with context_fn (use_reentrant=False)"
+        ),
+        fallback=_DRIFT_FALLBACK,
+        refs=(
+            "https://github.com/pytorch/pytorch/issues/147995",
+            "https://github.com/pytorch/pytorch/pull/148023",
+        ),
+        torch_versions=">=2.0; measured on 2.13",
+        probe=_probe_function_mode,
+        read="user_function_modes",
+        render="describe_modes",
+    ),
+    Rule(
+        id="CKG104",
+        title="torch.func transform stack differs at recompute",
+        stage="recompute",
+        # The reentrant variant never gets this far: CKG002 refuses it under any transform.
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "the functorch interpreter stack when the recompute starts differs from the forward's, "
+            "e.g. the forward ran under vmap and .backward() runs outside it"
+        ),
+        symptom=(
+            "raises a confusing RuntimeError ('Either your tensor may have escaped from inside a "
+            "function being vmapped ...') or worse, recomputes under the wrong transforms"
+        ),
+        symptom_kind="raises",
+        raises_match=r"escaped from inside a function being vmapped",
+        remedy=(
+            "take gradients inside the transform (torch.func.grad / vjp) instead of calling "
+            ".backward() outside it, or checkpoint outside the transform"
+        ),
+        fallback=_DRIFT_FALLBACK,
+        refs=("https://github.com/pytorch/pytorch/issues/165880",),
+        torch_versions=">=2.5 (vmap allows saved tensor hooks since pytorch#131191); measured on 2.13",
+        probe=_probe_vmap_closure,
+        read="transform_stack",
+        render="describe_transforms",
+    ),
+    Rule(
+        id="CKG105",
+        title="default dtype changed between the forward and the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger="torch.get_default_dtype() at recompute differs from the forward's",
+        symptom=(
+            "reentrant: returns silently different gradients (tensors the block creates change "
+            "dtype); non-reentrant: raises CheckpointError (recomputed metadata mismatch)"
+        ),
+        symptom_kind="silently wrong",
+        symptom_by_variant=((NON_REENTRANT, "raises"),),
+        raises_match=r"[Rr]ecomputed values for the following tensors have different metadata",
+        remedy="restore the default dtype before .backward(), or set it once at program start",
+        fallback=_DRIFT_FALLBACK,
+        refs=(),
+        torch_versions="all; measured on 2.13",
+        probe=_probe_default_dtype,
+        read="default_dtype",
+        render="describe_dtype",
+    ),
+]
+
+RULES: tuple[Rule, ...] = tuple(_CALL_RULES + _DRIFT_RULES)
+CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
+DRIFT_RULES: tuple[Rule, ...] = tuple(_DRIFT_RULES)
+RULE_IDS: tuple[str, ...] = tuple(r.id for r in RULES)
+
+
+def rule_by_id(rule_id: str) -> Rule:
+    for rule in RULES:
+        if rule.id == rule_id.upper():
+            return rule
+    raise KeyError(rule_id)

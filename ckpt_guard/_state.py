@@ -1,0 +1,316 @@
+"""Reading torch's state: everything a checkpoint call and its recompute depend on.
+
+Two kinds of reading happen here.
+
+*Call time* (:func:`read_call_state`): the functorch interpreter stack, grad
+mode, forward-mode AD, whether saved-tensor hooks are allowed, and whether the
+inputs or the parameters inside the checkpointed function require grad.  The
+rules in ``_rules.py`` are predicates over the resulting :class:`CallState`.
+Reading all of it costs a few microseconds, so the patch points first ask
+:func:`call_is_quiet`, a handful of ~50 ns queries that prove no call-time rule
+can fire; only a non-quiet call pays for the full reading.
+
+*Recompute time* (:func:`capture`): a tuple with one value per drift rule,
+read in the forward and again when the recompute starts.  torch's own
+infrastructure modes (fake/functional/proxy tensors under ``torch.compile``,
+selective checkpointing's caching modes, ``with torch.device(...)``) are not the
+user's and are left out, so they can never cause a report.
+
+Parameter swaps (``torch.func.functional_call``) leave no trace in torch's
+state, so ``_patch`` wraps the generator inside
+``torch.nn.utils.stateless._reparametrize_module`` with
+:func:`tracked_reparametrize`, which keeps :data:`active_swaps` current.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._C._functorch import (
+    get_unwrapped,
+    is_functorch_wrapped_tensor,
+    peek_interpreter_stack,
+)
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd import forward_ad
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_len_function_stack = torch._C._len_torch_function_stack
+saved_tensor_hooks_enabled: Callable[[], bool] = (
+    torch._C._autograd._saved_tensors_hooks_is_enabled
+)
+is_grad_enabled = torch.is_grad_enabled
+is_compiling = torch.compiler.is_compiling
+Tensor = torch.Tensor
+Module = torch.nn.Module
+
+# --------------------------------------------------------------------------
+# functorch transforms
+
+_TRANSFORM_NAMES = {"Grad": "grad", "Vmap": "vmap", "Jvp": "jvp", "Functionalize": "functionalize"}
+
+
+def transform_stack() -> tuple[tuple[str, int], ...]:
+    """The active torch.func transforms, outermost first: ``(("vmap", 1), ("grad", 2))``.
+
+    vjp, jacrev and hessian run as ``grad``; jacfwd as ``jvp`` (+ ``vmap``).
+    """
+    if peek_interpreter_stack() is None:
+        return ()
+    return tuple(
+        (_TRANSFORM_NAMES.get(i.key().name, i.key().name.lower()), i.level())
+        for i in retrieve_all_functorch_interpreters()
+    )
+
+
+def describe_transforms(stack: tuple[tuple[str, int], ...]) -> str:
+    if not stack:
+        return "none"
+    return " > ".join(f"{name}(level {level})" for name, level in stack)
+
+
+# --------------------------------------------------------------------------
+# dispatch / function modes
+
+# torch's own modes: compile-time tracing, selective checkpointing, device
+# context.  Matched by qualified class name through the MRO, so subclasses count
+# and nothing heavy has to be imported to recognise them.
+INFRASTRUCTURE_MODES = frozenset(
+    {
+        "torch._subclasses.fake_tensor.FakeTensorMode",
+        "torch._subclasses.functional_tensor.FunctionalTensorMode",
+        "torch.fx.experimental.proxy_tensor.ProxyTorchDispatchMode",
+        "torch.fx.experimental.proxy_tensor.PreDispatchTorchFunctionMode",
+        "torch.fx.experimental.proxy_tensor.ProxyFunctionMode",
+        "torch.utils.checkpoint._CachingTorchDispatchMode",
+        "torch.utils.checkpoint._CachedTorchDispatchMode",
+        "torch.utils._device.DeviceContext",
+        "torch._export.non_strict_utils._NonStrictTorchFunctionHandler",
+    }
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_infrastructure_class(cls: type) -> bool:
+    return any(
+        f"{klass.__module__}.{klass.__qualname__}" in INFRASTRUCTURE_MODES
+        for klass in cls.__mro__
+    )
+
+
+def is_user_mode(mode: object) -> bool:
+    return not _is_infrastructure_class(type(mode))
+
+
+def user_dispatch_modes() -> tuple[object, ...]:
+    if not _len_dispatch_stack():
+        return ()
+    return tuple(m for m in _get_current_dispatch_mode_stack() if is_user_mode(m))
+
+
+def user_function_modes() -> tuple[object, ...]:
+    if not _len_function_stack():
+        return ()
+    return tuple(m for m in _get_current_function_mode_stack() if is_user_mode(m))
+
+
+def describe_modes(modes: tuple[object, ...]) -> str:
+    return "[" + ", ".join(type(m).__name__ for m in modes) + "]"
+
+
+# --------------------------------------------------------------------------
+# parameter swaps (torch.func.functional_call)
+
+
+class SwapToken:
+    """One active ``_reparametrize_module`` swap; compared by identity."""
+
+    __slots__ = ("module_name",)
+
+    def __init__(self, module: object) -> None:
+        self.module_name = type(module).__name__
+
+    def __repr__(self) -> str:
+        return f"functional_call({self.module_name})"
+
+
+# Swaps are process-wide state (they rewrite module attributes in place), so a
+# plain global; replaced, never mutated, so readers need no lock.
+active_swaps: tuple[SwapToken, ...] = ()
+_swap_lock = threading.Lock()
+
+
+def current_swaps() -> tuple[SwapToken, ...]:
+    return active_swaps
+
+
+def _push_swap(token: SwapToken) -> None:
+    global active_swaps
+    with _swap_lock:
+        active_swaps = active_swaps + (token,)
+
+
+def _pop_swap(token: SwapToken) -> None:
+    global active_swaps
+    with _swap_lock:
+        active_swaps = tuple(t for t in active_swaps if t is not token)
+
+
+def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]]):
+    """Wrap the generator behind ``_reparametrize_module`` so swaps are visible.
+
+    ``_patch`` puts the result into the closure cell of torch's
+    ``@contextmanager`` wrapper, which keeps ``_reparametrize_module`` itself
+    (the object dynamo recognises by identity) untouched.
+    """
+    import contextlib
+
+    original_cm = contextlib.contextmanager(original_generator)
+
+    @functools.wraps(original_generator)
+    def tracked_reparametrize(module, *args, **kwargs):
+        with original_cm(module, *args, **kwargs) as value:
+            token = SwapToken(module)
+            _push_swap(token)
+            try:
+                yield value
+            finally:
+                _pop_swap(token)
+
+    tracked_reparametrize.__ckpt_guard_original__ = original_generator  # type: ignore[attr-defined]
+    return tracked_reparametrize
+
+
+def describe_swaps(swaps: tuple[SwapToken, ...]) -> str:
+    return "functional_call active" if swaps else "no functional_call"
+
+
+# --------------------------------------------------------------------------
+# default dtype
+
+default_dtype = torch.get_default_dtype
+
+
+def describe_dtype(dtype: torch.dtype) -> str:
+    return str(dtype)
+
+
+# --------------------------------------------------------------------------
+# inputs and parameters
+
+
+def requires_grad_anywhere(t: Tensor) -> bool:
+    """``requires_grad`` seen through functorch wrappers (a vmapped tensor says False)."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not is_functorch_wrapped_tensor(t):
+            return False
+        t = get_unwrapped(t)
+
+
+def owning_modules(function: object) -> list[Module]:
+    """The modules whose parameters ``function`` uses, as far as we can see.
+
+    Covers an ``nn.Module``, a bound method of one, a ``functools.partial``
+    holding either, and modules captured one closure level deep.
+    """
+    found: list[Module] = []
+    todo = [function]
+    seen: set[int] = set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Module):
+            found.append(obj)
+        elif isinstance(obj, functools.partial):
+            todo.append(obj.func)
+            todo.extend(obj.args)
+            todo.extend(obj.keywords.values())
+        elif hasattr(obj, "__self__") and isinstance(obj.__self__, Module):
+            found.append(obj.__self__)
+        elif getattr(obj, "__closure__", None) and obj is function:
+            for cell in obj.__closure__:  # type: ignore[union-attr]
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:  # empty cell
+                    pass
+    return found
+
+
+def _params_of(function: object) -> Iterator[Tensor]:
+    for module in owning_modules(function):
+        yield from module.parameters()
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, Tensor):
+            yield value
+
+
+def _is_dual(t: Tensor) -> bool:
+    return forward_ad.unpack_dual(t).tangent is not None
+
+
+@dataclass(frozen=True)
+class CallState:
+    """What the call-time rules look at.  Built only for non-quiet calls."""
+
+    reentrant: bool
+    transforms: tuple[tuple[str, int], ...]
+    grad_enabled: bool
+    forward_ad_active: bool
+    dual_inputs: bool
+    saved_tensor_hooks_enabled: bool
+    inputs_require_grad: bool
+    params_require_grad: bool
+
+    @property
+    def transform_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.transforms)
+
+
+def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState:
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    params = list(_params_of(function))
+    forward_ad_active = forward_ad._current_level >= 0
+    return CallState(
+        reentrant=reentrant,
+        transforms=transform_stack(),
+        grad_enabled=is_grad_enabled(),
+        forward_ad_active=forward_ad_active,
+        dual_inputs=forward_ad_active and any(_is_dual(t) for t in tensors + params),
+        saved_tensor_hooks_enabled=saved_tensor_hooks_enabled(),
+        inputs_require_grad=any(requires_grad_anywhere(t) for t in tensors),
+        params_require_grad=any(requires_grad_anywhere(p) for p in params),
+    )
+
+
+def call_is_quiet(reentrant: bool, args: tuple) -> bool:
+    """True when no call-time rule can fire: the fast path of every call.
+
+    A rule that reads new state must make this return False when that state is
+    unusual (see the rule's ``quiet`` note in ``_rules.py``).
+    """
+    if peek_interpreter_stack() is not None:
+        return False
+    if reentrant:
+        if forward_ad._current_level >= 0:
+            return False
+        if is_grad_enabled():
+            for a in args:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    return True
+            return False  # CKG006 needs a look at the parameters
+        return True
+    return saved_tensor_hooks_enabled() or not is_grad_enabled()
