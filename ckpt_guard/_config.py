@@ -41,10 +41,16 @@ class Config:
     policy: str = DEFAULT_POLICY
     overrides: Mapping[str, str] = field(default_factory=dict)
 
-    @property
-    def active(self) -> bool:
-        """False when every rule is off: the patch points then step aside at once."""
-        return self.policy != "off" or any(p != "off" for p in self.overrides.values())
+    #: False when every rule is off: the patch points then step aside at once.
+    active: bool = field(init=False)
+    #: Whether any rule may be under "fallback" (only then can a drift risk
+    #: visible at call time change what runs).
+    may_fall_back: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        policies = {self.policy, *self.overrides.values()}
+        object.__setattr__(self, "active", policies != {"off"})
+        object.__setattr__(self, "may_fall_back", "fallback" in policies)
 
     def policy_for(self, rule_id: str) -> str:
         return self.overrides.get(rule_id, self.policy)

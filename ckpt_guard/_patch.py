@@ -112,8 +112,8 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     call_is_quiet = _state.call_is_quiet
     is_compiling = _state.is_compiling
     is_grad_enabled = _state.is_grad_enabled
-    Recompute = _decide.Recompute
-    PROCEED = _decide.PROCEED
+    capture, risk_visible, anticipate = _decide.capture, _decide.risk_visible, _decide.anticipate
+    recompute_guard, PROCEED = _decide.recompute_guard, _decide.PROCEED
 
     def _checkpoint_without_reentrant_generator(*args: Any, **kwargs: Any):
         config = current_config()
@@ -125,10 +125,10 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
                 return _no_checkpoint_generator()
         if not is_grad_enabled():
             return original(*args, **kwargs)  # nothing will be recomputed
-        recompute = Recompute(False, config)
-        if recompute.anticipated_risk is not None and _decide.anticipate(recompute, False) != PROCEED:
+        forward_state = capture()
+        if config.may_fall_back and risk_visible(forward_state) and anticipate(config, forward_state, False) != PROCEED:
             return _no_checkpoint_generator()
-        return original(recompute.wrap(function, skip_first_call=False), *args[1:], **kwargs)
+        return original(recompute_guard(function, False, config, forward_state), *args[1:], **kwargs)
 
     _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
     return _checkpoint_without_reentrant_generator
@@ -141,7 +141,8 @@ def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
     call_is_quiet = _state.call_is_quiet
     is_compiling = _state.is_compiling
     is_grad_enabled = _state.is_grad_enabled
-    Recompute = _decide.Recompute
+    capture, risk_visible, anticipate = _decide.capture, _decide.risk_visible, _decide.anticipate
+    recompute_guard, PROCEED = _decide.recompute_guard, _decide.PROCEED
 
     def apply(cls, function, preserve_rng_state, *args):
         config = current_config()
@@ -159,10 +160,10 @@ def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
                 )
         if not is_grad_enabled():
             return raw_apply(cls, function, preserve_rng_state, *args)
-        recompute = Recompute(True, config)
-        if recompute.anticipated_risk is not None and _decide.anticipate(recompute, True) != _decide.PROCEED:
+        forward_state = capture()
+        if config.may_fall_back and risk_visible(forward_state) and anticipate(config, forward_state, True) != PROCEED:
             return function(*args)
-        return raw_apply(cls, recompute.wrap(function, skip_first_call=True), preserve_rng_state, *args)
+        return raw_apply(cls, recompute_guard(function, True, config, forward_state), preserve_rng_state, *args)
 
     apply.__ckpt_guard_original__ = raw_apply  # type: ignore[attr-defined]
     return classmethod(apply)

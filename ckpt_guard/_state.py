@@ -10,7 +10,7 @@ Reading all of it costs a few microseconds, so the patch points first ask
 :func:`call_is_quiet`, a handful of ~50 ns queries that prove no call-time rule
 can fire; only a non-quiet call pays for the full reading.
 
-*Recompute time* (:func:`capture`): a tuple with one value per drift rule,
+*Recompute time* (``_decide.capture``): a tuple with one value per drift rule,
 read in the forward and again when the recompute starts.  torch's own
 infrastructure modes (fake/functional/proxy tensors under ``torch.compile``,
 selective checkpointing's caching modes, ``with torch.device(...)``) are not the

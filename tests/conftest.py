@@ -1,0 +1,72 @@
+"""Shared helpers: the three runs every differential test compares."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+
+
+def no_checkpoint(function, *args, use_reentrant=None, **kwargs):
+    """The uncheckpointed reference: same call shape as checkpoint, plain call."""
+    kwargs.pop("preserve_rng_state", None)
+    kwargs.pop("context_fn", None)
+    return function(*args, **kwargs)
+
+
+def run_raw(probe, use_reentrant):
+    """Raw torch: the guard is not installed at all."""
+    was = ckpt_guard.is_installed()
+    ckpt_guard.uninstall()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return probe(checkpoint, use_reentrant)
+    finally:
+        if was:
+            ckpt_guard.install("strict")
+
+
+def run_guarded(probe, use_reentrant, policy, rules=None):
+    with ckpt_guard.policy(policy, rules=rules):
+        return probe(checkpoint, use_reentrant)
+
+
+def assert_all_close(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)
+
+
+def all_close(actual, expected) -> bool:
+    try:
+        assert_all_close(actual, expected)
+    except AssertionError:
+        return False
+    return True
+
+
+def assert_all_equal(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert torch.equal(a, e), (a, e)
+
+
+@pytest.fixture
+def guard():
+    """The guard installed with strict for one test, and uninstalled after it."""
+    ckpt_guard.install("strict", rules={})
+    try:
+        yield
+    finally:
+        ckpt_guard.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("CKPT_GUARD_POLICY", raising=False)
+    monkeypatch.delenv("CKPT_GUARD_RULES", raising=False)

@@ -1,0 +1,216 @@
+"""Recompute drift beyond the per-rule probes: threads, a realistic model, timing of the check."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+
+pytestmark = pytest.mark.usefixtures("guard")
+
+
+class Block(torch.nn.Module):
+    """A small transformer block: self-attention + MLP, pre-norm."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, use_reentrant: bool, checkpointing: bool = True, depth: int = 3, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 1)
+        self.use_reentrant, self.checkpointing = use_reentrant, checkpointing
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            if self.checkpointing:
+                x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+            else:
+                x = block(x)
+        return self.head(x).mean()
+
+
+def _functional_step(model, new_params, x):
+    """What stateless ensembles and meta-learning do: functional_call, then backward."""
+    loss = functional_call(model, new_params, (x,))
+    loss.backward()
+    return {name: p.grad for name, p in new_params.items()}
+
+
+def _fresh_params(model):
+    torch.manual_seed(1)
+    return {k: (v.detach() + 0.05 * torch.randn_like(v)).requires_grad_() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_transformer_through_functional_call(use_reentrant):
+    torch.manual_seed(0)
+    model = TinyTransformer(use_reentrant)
+    x = torch.randn(2, 5, 8)
+    reference_model = TinyTransformer(use_reentrant, checkpointing=False)
+    reference_model.load_state_dict(model.state_dict())
+    reference = _functional_step(reference_model, _fresh_params(model), x)
+
+    # Without the guard torch silently gets many parameter gradients wrong.
+    ckpt_guard.uninstall()
+    raw = _functional_step(model, _fresh_params(model), x)
+    wrong = [
+        name for name in reference
+        if raw[name] is None or not torch.allclose(raw[name], reference[name], atol=1e-6)
+    ]
+    block_params = [name for name in reference if name.startswith("blocks.")]
+    assert set(wrong) >= set(block_params[:1]) and len(wrong) >= len(block_params) // 2, wrong
+    print(f"torch {torch.__version__}, use_reentrant={use_reentrant}: "
+          f"{len(wrong)} of {len(reference)} parameter gradients wrong without the guard")
+
+    ckpt_guard.install("strict")
+    model.zero_grad()
+    with pytest.raises(CheckpointCompositionError) as info:
+        _functional_step(model, _fresh_params(model), x)
+    assert info.value.rule.id == "CKG101"
+    assert "functional_call active → no functional_call" in str(info.value)
+
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning):
+        guarded = _functional_step(model, _fresh_params(model), x)
+    for name in reference:
+        torch.testing.assert_close(guarded[name], reference[name])
+
+
+def test_strict_raises_before_the_recompute_runs():
+    calls = []
+    w = torch.randn(3, requires_grad=True)
+
+    def block(t):
+        calls.append(torch.get_default_dtype())
+        return t * w
+
+    x = torch.randn(3, requires_grad=True)
+    for use_reentrant in (True, False):
+        calls.clear()
+        y = checkpoint(block, x, use_reentrant=use_reentrant)
+        torch.set_default_dtype(torch.float64)
+        try:
+            with pytest.raises(CheckpointCompositionError, match="torch.float32 → torch.float64"):
+                y.sum().backward()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        assert calls == [torch.float32]  # the forward only
+
+
+def test_recompute_check_uses_the_forwards_policy_on_another_thread():
+    """Backward (and so the recompute) runs where contextvars and threading.local don't reach."""
+    ckpt_guard.install("off")
+    torch.manual_seed(0)
+    model = TinyTransformer(use_reentrant=False, depth=1)
+    x = torch.randn(2, 5, 8)
+    with ckpt_guard.policy("strict"):  # only the forward sees this scope
+        loss = functional_call(model, _fresh_params(model), (x,))
+    outcome = {}
+
+    def backward():
+        assert ckpt_guard.current_config() == "off"  # this thread sees the installed config
+        try:
+            loss.backward()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    assert isinstance(outcome.get("error"), CheckpointCompositionError)
+    assert outcome["error"].rule.id == "CKG101"
+
+
+def test_warn_on_another_thread_then_torch_behaviour():
+    ckpt_guard.install("off")
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Noop(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with ckpt_guard.policy("warn"), Noop():
+        y = checkpoint(lambda t: t.sin() * w, x, use_reentrant=False)
+    caught = []
+
+    def backward():
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            y.sum().backward()
+        caught.extend(record)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    assert [w.message.rule.id for w in caught if issubclass(w.category, CheckpointCompositionWarning)] == ["CKG102"]
+    assert "[Noop] → []" in str(caught[0].message)
+    torch.testing.assert_close(w.grad, x.detach().sin())  # a no-op mode: torch's result is right
+
+
+def test_nested_checkpoints_under_functional_call_fallback():
+    class Nested(torch.nn.Module):
+        def __init__(self, checkpointing=True):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+            self.ckpt = checkpoint if checkpointing else (lambda f, t, use_reentrant: f(t))
+
+        def forward(self, x):
+            inner = lambda t: torch.tanh(self.b(t))  # noqa: E731
+            outer = lambda t: self.ckpt(inner, self.a(t), use_reentrant=False)  # noqa: E731
+            return self.ckpt(outer, x, use_reentrant=False).sum()
+
+    torch.manual_seed(0)
+    model, plain = Nested(), Nested(checkpointing=False)
+    plain.load_state_dict(model.state_dict())
+    params = {k: (v.detach() * 1.1).requires_grad_() for k, v in model.named_parameters()}
+    x = torch.randn(2, 3)
+    reference = torch.autograd.grad(functional_call(plain, params, (x,)), list(params.values()))
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning):
+        loss = functional_call(model, params, (x,))
+    grads = torch.autograd.grad(loss, list(params.values()))
+    for g, r in zip(grads, reference):
+        torch.testing.assert_close(g, r)
+
+
+def test_backward_inside_functional_call_is_quiet():
+    """functional_call still active at recompute: no drift, bitwise-equal gradients."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    torch.manual_seed(0)
+    model = TinyTransformer(use_reentrant=False, depth=1)
+    x = torch.randn(2, 5, 8)
+    results = []
+    for installed in (False, True):
+        if not installed:
+            ckpt_guard.uninstall()
+        else:
+            ckpt_guard.install("strict")
+        params = _fresh_params(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            with _reparametrize_module(model, params):
+                model(x).backward()
+        results.append([params[k].grad for k in sorted(params)])
+    for raw, guarded in zip(*results):
+        assert torch.equal(raw, guarded)

@@ -1,0 +1,270 @@
+"""Every rule, run live on the installed torch: reference vs raw torch vs guarded.
+
+For each rule and variant the rule's own probe is run four ways:
+
+* without the guard, proving the rule's claim about torch (it raises the
+  quoted error, or returns values that differ from the uncheckpointed
+  reference);
+* under ``strict``: ``CheckpointCompositionError`` for this very rule;
+* under ``warn``: the warning, then exactly torch's own behaviour;
+* under ``fallback``: the uncheckpointed reference's values (or, for a drift
+  that cannot be foreseen at call time, the strict error).
+
+If torch fixes a composition, the "without the guard" test fails and names
+the rule: the table is then stale for this torch version.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from conftest import all_close, assert_all_close, assert_all_equal, no_checkpoint, run_guarded, run_raw
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+from ckpt_guard._rules import NON_REENTRANT, RULES
+
+CASES = [
+    pytest.param(rule, variant, id=f"{rule.id}-{variant}")
+    for rule in RULES
+    for variant in rule.variants
+]
+# Drift that no call-time state reveals: fallback must raise rather than let it through.
+UNFORESEEABLE = {"CKG105"}
+
+
+def _use_reentrant(variant: str) -> bool:
+    return variant != NON_REENTRANT
+
+
+pytestmark = pytest.mark.usefixtures("guard")
+
+
+@pytest.mark.parametrize("rule, variant", CASES)
+def test_torch_without_guard_shows_the_symptom(rule, variant):
+    reference = rule.probe(no_checkpoint, _use_reentrant(variant))
+    if rule.symptom_for(variant) == "raises":
+        with pytest.raises(Exception) as info:
+            run_raw(rule.probe, _use_reentrant(variant))
+        assert not isinstance(info.value, CheckpointCompositionError)
+        assert re.search(rule.raises_match, str(info.value)), (
+            f"{rule.id}: torch raised something else than the table says: {info.value!r}"
+        )
+    else:
+        raw = run_raw(rule.probe, _use_reentrant(variant))
+        assert not all_close(raw, reference), (
+            f"{rule.id} ({variant}): torch {torch.__version__} now matches the reference; "
+            "the rule is stale for this torch version"
+        )
+
+
+@pytest.mark.parametrize("rule, variant", CASES)
+def test_strict_raises_this_rule(rule, variant):
+    with ckpt_guard.record() as events:
+        with pytest.raises(CheckpointCompositionError) as info:
+            run_guarded(rule.probe, _use_reentrant(variant), "strict")
+    assert info.value.rule.id == rule.id
+    assert isinstance(info.value, RuntimeError)
+    message = str(info.value)
+    assert f"[{rule.id}]" in message and rule.title in message
+    assert "checkpoint called at: " in message and "_rules.py:" in message  # the probe's line
+    assert "without the guard torch" in message
+    assert "CKPT_GUARD_POLICY=fallback" in message and f"CKPT_GUARD_RULES={rule.id}=" in message
+    assert [(e.rule_id, e.policy, e.action, e.stage) for e in events] == [
+        (rule.id, "strict", "raised", rule.stage)
+    ]
+
+
+@pytest.mark.parametrize("rule, variant", CASES)
+def test_warn_warns_then_behaves_like_torch(rule, variant):
+    ur = _use_reentrant(variant)
+    with pytest.warns(CheckpointCompositionWarning) as record:
+        if rule.symptom_for(variant) == "raises":
+            with pytest.raises(Exception) as info:
+                run_guarded(rule.probe, ur, "warn")
+            assert not isinstance(info.value, CheckpointCompositionError)
+            assert re.search(rule.raises_match, str(info.value))
+        else:
+            warned = run_guarded(rule.probe, ur, "warn")
+    ids = [w.message.rule.id for w in record if issubclass(w.category, CheckpointCompositionWarning)]
+    assert rule.id in ids
+    if rule.symptom_for(variant) != "raises":
+        assert_all_equal(warned, run_raw(rule.probe, ur))
+
+
+@pytest.mark.parametrize("rule, variant", CASES)
+def test_fallback_matches_the_reference(rule, variant):
+    ur = _use_reentrant(variant)
+    reference = rule.probe(no_checkpoint, ur)
+    if rule.id in UNFORESEEABLE:
+        with pytest.raises(CheckpointCompositionError) as info:
+            run_guarded(rule.probe, ur, "fallback")
+        assert info.value.rule.id == rule.id
+        assert "could not be foreseen" in str(info.value)
+        return
+    with pytest.warns(CheckpointCompositionWarning) as record:
+        result = run_guarded(rule.probe, ur, "fallback")
+    assert_all_close(result, reference)
+    assert rule.id in [w.message.rule.id for w in record if issubclass(w.category, CheckpointCompositionWarning)]
+
+
+@pytest.mark.parametrize("rule, variant", CASES)
+def test_off_is_raw_torch(rule, variant):
+    """Policy off (and a per-rule off) do exactly what torch does."""
+    ur = _use_reentrant(variant)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        if rule.symptom_for(variant) == "raises":
+            with pytest.raises(Exception) as info:
+                run_guarded(rule.probe, ur, "off")
+            assert re.search(rule.raises_match, str(info.value))
+        else:
+            assert_all_equal(run_guarded(rule.probe, ur, "off"), run_raw(rule.probe, ur))
+            assert_all_equal(
+                run_guarded(rule.probe, ur, "strict", rules={rule.id: "off"}), run_raw(rule.probe, ur)
+            )
+
+
+# ---------------------------------------------------------------------------
+# Specific behaviours the table-driven tests do not pin down
+
+
+def _per_sample_loss(counter, **variant):
+    w = torch.randn(3, 3)
+
+    def block(t):
+        counter.append(1)
+        return torch.tanh(t @ w)
+
+    def loss(t):
+        return torch.utils.checkpoint.checkpoint(block, t, **variant).sum()
+
+    return loss
+
+
+def test_strict_raises_before_any_compute():
+    calls: list = []
+    loss = _per_sample_loss(calls, use_reentrant=False)
+    with pytest.raises(CheckpointCompositionError):
+        torch.func.vmap(torch.func.grad(loss))(torch.randn(4, 3))
+    assert calls == []
+
+
+def test_message_names_stack_site_and_defaulted_variant():
+    loss = _per_sample_loss([])  # use_reentrant not passed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointCompositionError) as info:
+            torch.func.vmap(torch.func.grad(loss))(torch.randn(4, 3))
+    message = str(info.value)
+    assert info.value.rule.id == "CKG002"
+    assert "torch.func transforms: vmap(level 1) > grad(level 2)" in message
+    assert "use_reentrant was not passed: torch defaulted to use_reentrant=True" in message
+    assert re.search(r"checkpoint called at: .*test_rules\.py:\d+ in loss", message)
+    assert "pass use_reentrant=False" in message
+
+
+def test_explicit_reentrant_is_not_called_defaulted():
+    loss = _per_sample_loss([], use_reentrant=True)
+    with pytest.raises(CheckpointCompositionError) as info:
+        torch.func.vmap(loss)(torch.randn(4, 3))
+    assert "variant: reentrant (use_reentrant=True)" in str(info.value)
+
+
+def test_defaulted_through_checkpoint_sequential():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointCompositionError) as info:
+            torch.func.vmap(lambda t: torch.utils.checkpoint.checkpoint_sequential(model, 2, t))(
+                torch.randn(4, 3)
+            )
+    assert "torch defaulted to use_reentrant=True" in str(info.value)
+    with pytest.raises(CheckpointCompositionError) as info:
+        torch.func.vmap(
+            lambda t: torch.utils.checkpoint.checkpoint_sequential(model, 2, t, use_reentrant=True)
+        )(torch.randn(4, 3))
+    assert "variant: reentrant (use_reentrant=True)" in str(info.value)
+
+
+def test_warning_points_at_the_users_line():
+    loss = _per_sample_loss([], use_reentrant=False)
+    with ckpt_guard.policy("warn"), pytest.warns(CheckpointCompositionWarning) as record:
+        with pytest.raises(RuntimeError, match="saved tensor hooks"):
+            torch.func.grad(loss)(torch.randn(3))
+    assert record[0].filename == __file__
+
+
+def test_user_exceptions_pass_through_untouched():
+    class Boom(Exception):
+        pass
+
+    def block(t):
+        raise Boom("from the user's function")
+
+    x = torch.randn(3, requires_grad=True)
+    for variant in (True, False):
+        with pytest.raises(Boom, match="from the user's function"):
+            torch.utils.checkpoint.checkpoint(block, x, use_reentrant=variant)
+        with ckpt_guard.policy("fallback"), pytest.raises(Boom):
+            torch.func.grad(lambda t: torch.utils.checkpoint.checkpoint(block, t, use_reentrant=variant).sum())(x)
+
+
+@pytest.mark.parametrize("holder", ["module", "bound-method", "partial", "partial-of-method", "closure"])
+def test_ckg006_sees_parameters_through_wrappers(holder):
+    import functools
+
+    block = torch.nn.Linear(3, 3)
+    function = {
+        "module": block,
+        "bound-method": block.forward,
+        "partial": functools.partial(block),
+        "partial-of-method": functools.partial(block.forward),
+        "closure": lambda t: block(t),
+    }[holder]
+    with pytest.raises(CheckpointCompositionError) as info:
+        torch.utils.checkpoint.checkpoint(function, torch.randn(2, 3), use_reentrant=True)
+    assert info.value.rule.id == "CKG006"
+
+
+def test_ckg006_quiet_when_block_has_no_trainable_parameters():
+    block = torch.nn.Linear(3, 3).requires_grad_(False)
+    x = torch.randn(2, 3)
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+    assert torch.equal(out, block(x))
+
+
+def test_ckg003_forward_only_vmap_is_quiet_under_no_grad():
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    f = lambda t: torch.utils.checkpoint.checkpoint(lambda u: torch.tanh(u @ w), t, use_reentrant=False)  # noqa: E731
+    with torch.no_grad():
+        out = torch.func.vmap(f)(x)
+    with torch.no_grad():
+        assert torch.equal(out, torch.func.vmap(lambda u: torch.tanh(u @ w))(x))
+
+
+def test_fallback_keeps_checkpointing_with_non_reentrant_when_safe():
+    """CKG006 under fallback runs use_reentrant=False (memory saving kept), not a plain call."""
+    block, x = torch.nn.Linear(3, 3), torch.randn(2, 3)
+    with ckpt_guard.record() as events, ckpt_guard.policy("fallback"):
+        with pytest.warns(CheckpointCompositionWarning, match="use_reentrant=False instead"):
+            out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+    assert out.requires_grad and out.grad_fn is not None
+    assert [(e.rule_id, e.action) for e in events] == [("CKG006", "fallback: use_reentrant=False")]
+    out.sum().backward()
+    assert block.weight.grad is not None
+
+
+def test_per_rule_override_beats_base_policy():
+    loss = _per_sample_loss([], use_reentrant=False)
+    with ckpt_guard.policy("off", rules={"CKG001": "strict"}):
+        with pytest.raises(CheckpointCompositionError):
+            torch.func.grad(loss)(torch.randn(3))
+    with ckpt_guard.policy("strict", rules={"CKG001": "off"}):
+        with pytest.raises(RuntimeError, match="saved tensor hooks") as info:
+            torch.func.grad(loss)(torch.randn(3))
+        assert not isinstance(info.value, CheckpointCompositionError)
