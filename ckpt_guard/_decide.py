@@ -246,6 +246,10 @@ _ANTICIPATED_INDICES = tuple(
     if rule.read in ("current_swaps", "user_dispatch_modes", "user_function_modes", "transform_stack")
 )
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
+_SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "current_swaps")
+_MODE_INDICES = frozenset(
+    i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
+)
 
 _library_codes: dict = {}
 
@@ -284,8 +288,13 @@ def _describe_forward_site(site: tuple) -> str:
     return f"{code.co_filename}:{line} in {code.co_name}"
 
 
-def recompute_guard(function: Any, reentrant: bool, config: _config.Config, forward_state: tuple) -> Any:
+def recompute_guard(
+    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, modes_managed: bool = False
+) -> Any:
     """``function``, checked against ``forward_state`` before every recompute.
+
+    ``modes_managed``: the caller passed its own ``context_fn``, which sets up
+    the recompute's environment itself, so mode differences are its business.
 
     Everything the check needs travels in this closure: the recompute may run
     on an autograd worker thread, which inherits neither ``threading.local``
@@ -302,7 +311,7 @@ def recompute_guard(function: Any, reentrant: bool, config: _config.Config, forw
             if forward_done:
                 state = capture()
                 if state != forward_state:
-                    report_drift(reentrant, config, forward_state, state, site)
+                    report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
             forward_done = True
             return function(*args, **kwargs)
 
@@ -311,22 +320,42 @@ def recompute_guard(function: Any, reentrant: bool, config: _config.Config, forw
         def guarded_function(*args: Any, **kwargs: Any) -> Any:
             state = capture()
             if state != forward_state:
-                report_drift(reentrant, config, forward_state, state, site)
+                report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
             return function(*args, **kwargs)
 
     return guarded_function
 
 
-def report_drift(reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple, site: tuple) -> None:
+def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:
+    """Whether a changed value can change this function's recompute."""
+    if index in _MODE_INDICES:
+        return not modes_managed
+    if index == _SWAPS_INDEX:
+        changed = tuple(t for t in set(was) ^ set(now))
+        return _state.swap_touches(function, changed)
+    return True
+
+
+def report_drift(
+    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
+    site: tuple, modes_managed: bool = False,
+) -> None:
     """Warn about, or raise for, every drift rule whose state changed."""
+    changed = [
+        i for i, (was, now) in enumerate(zip(forward_state, state))
+        if was != now
+        and config.policy_for(DRIFT_RULES[i].id) != "off"
+        and _relevant_drift(function, i, was, now, modes_managed)
+    ]
+    if not changed:
+        return
     forward_site_text = _describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
     transforms = _state.describe_transforms(forward_state[_TRANSFORMS_INDEX])
     variant = describe_variant(reentrant, None)
-    for rule, render, was, now in zip(DRIFT_RULES, _DRIFT_RENDERERS, forward_state, state):
+    for index in changed:
+        rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         policy = config.policy_for(rule.id)
-        if was == now or policy == "off":
-            continue
         details = dict(
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, change=f"{render(was)} → {render(now)}",
@@ -343,7 +372,7 @@ def report_drift(reentrant: bool, config: _config.Config, forward_state: tuple, 
         raise CheckpointCompositionError(message, rule)
 
 
-def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool) -> str:
+def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:
     """Fallback for drift risks visible at call time: run without checkpointing.
 
     A parameter swap, a user mode or a torch.func transform is active while
@@ -351,7 +380,11 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool) ->
     after it ended, and then nothing could repair the gradients.
     """
     for index in _ANTICIPATED_INDICES:
-        if forward_state[index] and config.policy_for(DRIFT_RULES[index].id) == "fallback":
+        if (
+            forward_state[index]
+            and config.policy_for(DRIFT_RULES[index].id) == "fallback"
+            and (index != _SWAPS_INDEX or _state.swap_touches(function, forward_state[index]))
+        ):
             rule = DRIFT_RULES[index]
             break
     else:

@@ -104,10 +104,22 @@ def _no_checkpoint_generator():
     yield
 
 
+def _is_user_context_fn(args: tuple, index: int) -> bool:
+    """A ``context_fn`` the user chose (not torch's no-op, not the composable API's own)."""
+    import torch.utils.checkpoint as tuc
+
+    context_fn = args[index] if len(args) > index else tuc.noop_context_fn
+    return context_fn is not tuc.noop_context_fn and getattr(context_fn, "__module__", "") != (
+        "torch.distributed._composable.checkpoint_activation"
+    )
+
+
 def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     from . import _decide, _state
 
     n_fixed = _count_fixed_params(original)
+    names = list(inspect.signature(original).parameters)
+    context_index = names.index("context_fn") if "context_fn" in names[:n_fixed] else None
     current_config = _config.current
     call_is_quiet = _state.call_is_quiet
     is_compiling = _state.is_compiling
@@ -126,9 +138,15 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
         if not is_grad_enabled():
             return original(*args, **kwargs)  # nothing will be recomputed
         forward_state = capture()
-        if config.may_fall_back and risk_visible(forward_state) and anticipate(config, forward_state, False) != PROCEED:
+        if (
+            config.may_fall_back
+            and risk_visible(forward_state)
+            and anticipate(config, forward_state, False, function) != PROCEED
+        ):
             return _no_checkpoint_generator()
-        return original(recompute_guard(function, False, config, forward_state), *args[1:], **kwargs)
+        modes_managed = context_index is not None and _is_user_context_fn(args, context_index)
+        guarded = recompute_guard(function, False, config, forward_state, modes_managed)
+        return original(guarded, *args[1:], **kwargs)
 
     _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
     return _checkpoint_without_reentrant_generator
@@ -161,7 +179,11 @@ def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
         if not is_grad_enabled():
             return raw_apply(cls, function, preserve_rng_state, *args)
         forward_state = capture()
-        if config.may_fall_back and risk_visible(forward_state) and anticipate(config, forward_state, True) != PROCEED:
+        if (
+            config.may_fall_back
+            and risk_visible(forward_state)
+            and anticipate(config, forward_state, True, function) != PROCEED
+        ):
             return function(*args)
         return raw_apply(cls, recompute_guard(function, True, config, forward_state), preserve_rng_state, *args)
 
@@ -227,11 +249,15 @@ def _patch_checkpoint_module() -> None:
             _warn_unguarded("torch.utils.checkpoint._checkpoint_without_reentrant_generator", str(exc))
         else:
             _set_attr(tuc, "_checkpoint_without_reentrant_generator", guarded)
-            composable = sys.modules.get("torch.distributed._composable.checkpoint_activation")
+            composable = sys.modules.get(_COMPOSABLE)
             if composable is not None and getattr(
                 composable, "_checkpoint_without_reentrant_generator", None
             ) is original_generator:
                 _set_attr(composable, "_checkpoint_without_reentrant_generator", guarded)
+            else:
+                # Imported later, it copies the guarded generator from
+                # torch.utils.checkpoint: put torch's back there on uninstall.
+                _applied.append(lambda: _restore_late_copy(guarded, original_generator))
 
     function_class = getattr(tuc, "CheckpointFunction", None)
     apply_descriptor = inspect.getattr_static(function_class, "apply", None) if function_class else None
@@ -245,6 +271,15 @@ def _patch_checkpoint_module() -> None:
 
     if getattr(tuc, "warnings", None) is warnings:
         _set_attr(tuc, "warnings", _WarningsProxy(warnings))
+
+
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+
+
+def _restore_late_copy(guarded: Any, original: Any) -> None:
+    composable = sys.modules.get(_COMPOSABLE)
+    if composable is not None and getattr(composable, "_checkpoint_without_reentrant_generator", None) is guarded:
+        composable._checkpoint_without_reentrant_generator = original
 
 
 def _patch_reparametrize() -> None:

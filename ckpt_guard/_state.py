@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch._C._functorch import (
@@ -78,11 +79,12 @@ def describe_transforms(stack: tuple[tuple[str, int], ...]) -> str:
 # --------------------------------------------------------------------------
 # dispatch / function modes
 
-# torch's own modes: compile-time tracing, selective checkpointing, device
-# context.  Matched by qualified class name through the MRO, so subclasses count
-# and nothing heavy has to be imported to recognise them.
+# Modes that can never make a recompute wrong, matched by qualified class name
+# through the MRO (so subclasses count and nothing heavy is imported):
 INFRASTRUCTURE_MODES = frozenset(
     {
+        # torch's own machinery: compile-time tracing, selective checkpointing,
+        # `with torch.device(...)` (restored by torch itself), checkpoint(debug=True)
         "torch._subclasses.fake_tensor.FakeTensorMode",
         "torch._subclasses.functional_tensor.FunctionalTensorMode",
         "torch.fx.experimental.proxy_tensor.ProxyTorchDispatchMode",
@@ -92,6 +94,13 @@ INFRASTRUCTURE_MODES = frozenset(
         "torch.utils.checkpoint._CachedTorchDispatchMode",
         "torch.utils._device.DeviceContext",
         "torch._export.non_strict_utils._NonStrictTorchFunctionHandler",
+        "torch.testing._internal.logging_tensor.LoggingTensorMode",
+        # torch's observers: they count or check, never change a value
+        "torch.utils.flop_counter._FlopCounterMode",
+        "torch.distributed.tensor.debug._comm_mode.CommDebugMode",
+        "torch.distributed._tools.mem_tracker.MemTracker",
+        "torch.distributed._tools.memory_tracker.MemoryProfileDispatchMode",
+        "torch._subclasses.schema_check_mode.SchemaCheckMode",
     }
 )
 
@@ -108,20 +117,22 @@ def is_user_mode(mode: object) -> bool:
     return not _is_infrastructure_class(type(mode))
 
 
-def user_dispatch_modes() -> tuple[object, ...]:
+# Modes are compared by class: re-entering an equivalent mode object (a new
+# instance of the same class) around .backward() or in context_fn is fine.
+def user_dispatch_modes() -> tuple[type, ...]:
     if not _len_dispatch_stack():
         return ()
-    return tuple(m for m in _get_current_dispatch_mode_stack() if is_user_mode(m))
+    return tuple(type(m) for m in _get_current_dispatch_mode_stack() if is_user_mode(m))
 
 
-def user_function_modes() -> tuple[object, ...]:
+def user_function_modes() -> tuple[type, ...]:
     if not _len_function_stack():
         return ()
-    return tuple(m for m in _get_current_function_mode_stack() if is_user_mode(m))
+    return tuple(type(m) for m in _get_current_function_mode_stack() if is_user_mode(m))
 
 
-def describe_modes(modes: tuple[object, ...]) -> str:
-    return "[" + ", ".join(type(m).__name__ for m in modes) + "]"
+def describe_modes(modes: tuple[type, ...]) -> str:
+    return "[" + ", ".join(m.__name__ for m in modes) + "]"
 
 
 # --------------------------------------------------------------------------
@@ -131,13 +142,46 @@ def describe_modes(modes: tuple[object, ...]) -> str:
 class SwapToken:
     """One active ``_reparametrize_module`` swap; compared by identity."""
 
-    __slots__ = ("module_name",)
+    __slots__ = ("module_name", "module", "keys")
 
-    def __init__(self, module: object) -> None:
+    def __init__(self, module: object, parameters_and_buffers: object) -> None:
         self.module_name = type(module).__name__
+        self.module = weakref.ref(module)
+        self.keys = frozenset(parameters_and_buffers) if isinstance(parameters_and_buffers, dict) else None
 
     def __repr__(self) -> str:
         return f"functional_call({self.module_name})"
+
+
+def _submodule_path(root: Module, target: Module) -> Optional[str]:
+    for name, module in root.named_modules(remove_duplicate=False):
+        if module is target:
+            return name
+    return None
+
+
+def swap_touches(function: object, tokens: tuple[SwapToken, ...]) -> bool:
+    """Whether any of these swaps replaces a tensor ``function`` may use.
+
+    True when unsure (the function's modules cannot be seen).  Slow; only
+    called once a swap difference has been seen.
+    """
+    modules = owning_modules(function)
+    for token in tokens:
+        root = token.module()
+        if root is None or token.keys is None or not modules:
+            return True
+        for module in modules:
+            path = _submodule_path(root, module)
+            if path is None:
+                if _submodule_path(module, root) is not None and token.keys:
+                    return True  # the swapped module lives inside the function's module
+                continue
+            if path == "" and token.keys:
+                return True
+            if any(key.startswith(path + ".") for key in token.keys):
+                return True
+    return False
 
 
 # Swaps are process-wide state (they rewrite module attributes in place), so a
@@ -176,7 +220,7 @@ def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]])
     @functools.wraps(original_generator)
     def tracked_reparametrize(module, *args, **kwargs):
         with original_cm(module, *args, **kwargs) as value:
-            token = SwapToken(module)
+            token = SwapToken(module, args[0] if args else kwargs.get("parameters_and_buffers"))
             _push_swap(token)
             try:
                 yield value
