@@ -1,0 +1,871 @@
+"""Compositions that torch gets right: the guard must stay silent on them.
+
+Each is a live probe with the same shape as a rule's probe
+(``probe(checkpoint, use_reentrant) -> list of tensors``), run by the test
+suite (``tests/test_no_false_alarms.py``) and by ``python -m ckpt_guard``:
+under ``strict`` the guarded run must be bitwise identical to raw torch, with
+no warning.  Like ``_rules.py``, this module imports torch only inside probes.
+
+The uncheckpointed reference calls each probe with a stand-in ``ckpt`` that
+just calls the function (``lambda fn, *a, use_reentrant=None, **k: fn(*a, **k)``).
+Probes of APIs that reach torch's checkpoint by themselves
+(``checkpoint_sequential``, ``checkpoint_wrapper``,
+``apply_activation_checkpointing``, the composable ``checkpoint(module)``) or
+that pass checkpoint-only keywords (``context_fn``, ``debug``) test
+``ckpt is torch.utils.checkpoint.checkpoint`` (see :func:`_is_torch_checkpoint`;
+the guard never replaces that function) and run the same model plainly when it
+is not.
+
+``KNOWN_FALSE_ALARMS`` holds compositions torch also gets right but on which the
+guard is not (yet) silent; the tests run them as strict xfails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from ._rules import NON_REENTRANT, REENTRANT, _grads, _variant_kwargs
+
+__all__ = ["Composition", "SAFE_COMPOSITIONS", "KNOWN_FALSE_ALARMS"]
+
+BOTH = (REENTRANT, NON_REENTRANT)
+
+
+@dataclass(frozen=True)
+class Composition:
+    name: str
+    description: str
+    variants: tuple[str, ...]
+    probe: Callable[[Callable[..., Any], Optional[bool]], Sequence[Any]] = field(repr=False)
+
+
+def _probe_training_step(ckpt, use_reentrant):
+    """An ordinary training step: input requires grad, parameters inside."""
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    y.pow(2).sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+
+
+def _is_torch_checkpoint(ckpt) -> bool:
+    """Whether ``ckpt`` is torch's own ``torch.utils.checkpoint.checkpoint``.
+
+    Probes for APIs that call torch's checkpoint themselves
+    (``checkpoint_sequential``, ``checkpoint_wrapper``, the composable
+    ``checkpoint(module)``) or that need checkpoint-only keywords
+    (``context_fn``) cannot route through an arbitrary ``ckpt``.  They use the
+    API when ``ckpt`` is torch's checkpoint (raw and guarded runs: the guard
+    never replaces that function) and run the same model plainly otherwise
+    (the uncheckpointed reference).
+    """
+    import torch.utils.checkpoint
+
+    return ckpt is torch.utils.checkpoint.checkpoint
+
+
+def _mlp(width: int = 8):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, width))
+
+
+def _probe_nested(ckpt, use_reentrant):
+    """A checkpointed function that itself checkpoints a sub-block."""
+    import torch
+
+    torch.manual_seed(0)
+    inner, outer = _mlp(), torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    kw = _variant_kwargs(use_reentrant)
+
+    def block(t):
+        return torch.tanh(outer(ckpt(inner, t, **kw))) * 2
+
+    y = ckpt(block, x, **kw)
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *inner.parameters(), *outer.parameters())]
+
+
+def _probe_checkpoint_sequential(ckpt, use_reentrant):
+    """``checkpoint_sequential`` over an nn.Sequential (plain call for the reference)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    torch.manual_seed(0)
+    seq = torch.nn.Sequential(*(m for _ in range(3) for m in (torch.nn.Linear(8, 8), torch.nn.GELU())))
+    x = torch.randn(4, 8, requires_grad=True)
+    if _is_torch_checkpoint(ckpt):
+        y = checkpoint_sequential(seq, 2, x, **_variant_kwargs(use_reentrant))
+    else:
+        y = seq(x)
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *seq.parameters())]
+
+
+def _impl(use_reentrant):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    return CheckpointImpl.REENTRANT if use_reentrant else CheckpointImpl.NO_REENTRANT
+
+
+def _probe_checkpoint_wrapper(ckpt, use_reentrant):
+    """``checkpoint_wrapper(module, checkpoint_impl=...)`` (plain module for the reference)."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    block, head = _mlp(), torch.nn.Linear(8, 1)
+    x = torch.randn(4, 8, requires_grad=True)
+    run = checkpoint_wrapper(block, checkpoint_impl=_impl(use_reentrant)) if _is_torch_checkpoint(ckpt) else block
+    y = head(run(x))
+    y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters(), *head.parameters())]
+
+
+def _probe_apply_activation_checkpointing(ckpt, use_reentrant):
+    """``apply_activation_checkpointing`` wrapping every Linear of a model (plain model for the reference)."""
+    import functools
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh())
+    params = list(model.parameters())  # wrapping renames them; keep the tensors
+    x = torch.randn(4, 8, requires_grad=True)
+    if _is_torch_checkpoint(ckpt):
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=_impl(use_reentrant)),
+            check_fn=lambda m: isinstance(m, torch.nn.Linear),
+        )
+    y = model(x)
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *params)]
+
+
+def _probe_composable_checkpoint(ckpt, use_reentrant):
+    """The composable ``torch.distributed._composable.checkpoint(module)`` (plain module for the reference)."""
+    import torch
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_mlp(), torch.nn.Linear(8, 1))
+    x = torch.randn(4, 8, requires_grad=True)
+    if _is_torch_checkpoint(ckpt):
+        composable_checkpoint(model[0])  # always non-reentrant
+    y = model(x)
+    y.sum().backward()
+    return [y.detach(), *_grads(x, *model.parameters())]
+
+
+def _pure_block():
+    """A pure function over tensors that do not require grad, and its input."""
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3)
+    x = torch.randn(4, 3)
+    return (lambda u: torch.sin(u @ w) * u), x
+
+
+def _probe_jvp(ckpt, use_reentrant):
+    """``torch.func.jvp`` over a checkpointed pure function (forward only)."""
+    import torch
+    from torch.func import jvp
+
+    block, x = _pure_block()
+    tangent = torch.randn(4, 3)
+    out, tan = jvp(lambda t: ckpt(block, t, **_variant_kwargs(use_reentrant)), (x,), (tangent,))
+    return [out, tan]
+
+
+def _probe_jacfwd(ckpt, use_reentrant):
+    """``torch.func.jacfwd`` over a checkpointed pure function (forward only)."""
+    from torch.func import jacfwd
+
+    block, x = _pure_block()
+    return [jacfwd(lambda t: ckpt(block, t, **_variant_kwargs(use_reentrant)))(x[0])]
+
+
+def _probe_vmap_pure(ckpt, use_reentrant):
+    """``torch.func.vmap`` over a checkpointed pure function (forward only, nothing requires grad)."""
+    from torch.func import vmap
+
+    block, x = _pure_block()
+    return [vmap(lambda t: ckpt(block, t, **_variant_kwargs(use_reentrant)))(x)]
+
+
+def _probe_functionalize(ckpt, use_reentrant):
+    """``torch.func.functionalize`` over a checkpointed function that mutates a temporary."""
+    import torch
+    from torch.func import functionalize
+
+    block, x = _pure_block()
+
+    def mutating(u):
+        t = block(u).clone()
+        t.add_(1.0)
+        return t
+
+    return [functionalize(lambda t: ckpt(mutating, t, **_variant_kwargs(use_reentrant)))(x)]
+
+
+def _probe_no_grad(ckpt, use_reentrant):
+    """Checkpoint called under ``torch.no_grad()`` (evaluation): nothing to recompute."""
+    import torch
+
+    torch.manual_seed(0)
+    block = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.no_grad():
+        y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    return [y, *_grads(x, *block.parameters())]
+
+
+def _probe_inference_mode(ckpt, use_reentrant):
+    """Checkpoint called under ``torch.inference_mode()``: nothing to recompute."""
+    import torch
+
+    torch.manual_seed(0)
+    block = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.inference_mode():
+        y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    return [y.clone()]
+
+
+def _probe_save_on_cpu(ckpt, use_reentrant):
+    """A training step inside ``torch.autograd.graph.save_on_cpu()``."""
+    import torch
+
+    torch.manual_seed(0)
+    block, head = _mlp(), torch.nn.Linear(8, 1)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        y = head(ckpt(block, x, **_variant_kwargs(use_reentrant)))
+        y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters(), *head.parameters())]
+
+
+def _probe_autograd_grad(ckpt, use_reentrant):
+    """``torch.autograd.grad`` through the checkpoint, then double backward (create_graph)."""
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = ckpt(lambda u: torch.tanh(u @ w) * u, x, **_variant_kwargs(use_reentrant))
+    gx, gw = torch.autograd.grad(y.pow(2).sum(), (x, w), create_graph=True)
+    ggx, ggw = torch.autograd.grad(gx.pow(2).sum() + gw.sin().sum(), (x, w))
+    return [y.detach(), gx.detach(), gw.detach(), ggx, ggw]
+
+
+def _probe_dispatch_mode_around_backward(ckpt, use_reentrant):
+    """A user TorchDispatchMode (doubles sin) active in the forward and around .backward()."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DoubleSin(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 2 if func is torch.ops.aten.sin.default else out
+
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with DoubleSin():
+        y = ckpt(lambda t: torch.sin(t) * w, x, **_variant_kwargs(use_reentrant))
+        y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_selective(ckpt, use_reentrant):
+    """Selective checkpointing: save matmul results, recompute the rest (``context_fn``)."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    extra = {}
+    if _is_torch_checkpoint(ckpt):  # context_fn is a checkpoint keyword, not the function's
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    y = ckpt(lambda u: torch.sin(torch.relu(u @ w1) @ w2), x, **_variant_kwargs(use_reentrant), **extra)
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, w1, w2)]
+
+
+def _probe_autocast(ckpt, use_reentrant):
+    """``torch.autocast("cpu", bfloat16)`` around the forward, backward outside it."""
+    import torch
+
+    torch.manual_seed(0)
+    block, head = _mlp(), torch.nn.Linear(8, 1)
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = head(ckpt(block, x, **_variant_kwargs(use_reentrant)))
+    y.float().sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters(), *head.parameters())]
+
+
+def _probe_device_context(ckpt, use_reentrant):
+    """``with torch.device("cpu"):`` around the forward; the block creates a tensor."""
+    import torch
+
+    torch.manual_seed(0)
+    block = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(t):
+        return block(t) + torch.ones(8)
+
+    with torch.device("cpu"):
+        y = ckpt(fn, x, **_variant_kwargs(use_reentrant))
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+def _probe_two_steps(ckpt, use_reentrant):
+    """Two optimizer steps of a model whose forward checkpoints a block (parameters change in place)."""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = _mlp(), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(ckpt(self.block, x, **_variant_kwargs(use_reentrant)))
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    for _ in range(2):
+        x = torch.randn(4, 8, requires_grad=True)
+        opt.zero_grad()
+        y = net(x)
+        y.pow(2).sum().backward()
+        results += [y.detach(), *_grads(x, *net.parameters())]
+        opt.step()
+    return results + [p.detach().clone() for p in net.parameters()]
+
+
+def _probe_functional_call_backward_inside(ckpt, use_reentrant):
+    """functional_call with new parameters where backward runs inside the call (swap still active)."""
+    import torch
+    from torch.func import functional_call
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            h = ckpt(lambda t: torch.tanh(self.inner(t)), x, **_variant_kwargs(use_reentrant))
+            return self.outer(h)
+
+    class TrainStep(torch.nn.Module):
+        """forward = loss + backward, so the whole step runs under the parameter swap."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+
+        def forward(self, x):
+            out = self.net(x)
+            out.sum().backward()
+            return out.detach()
+
+    torch.manual_seed(0)
+    step = TrainStep()
+    new = {k: (v.detach() * 1.5 + 0.1).requires_grad_() for k, v in step.named_parameters()}
+    x = torch.randn(4, 3, requires_grad=True)
+    out = functional_call(step, new, (x,))
+    return [out, *_grads(x, *new.values(), *step.parameters())]
+
+
+def _probe_dropout_rng(ckpt, use_reentrant):
+    """A block with dropout; checkpoint restores the RNG state for the recompute (default)."""
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+def _probe_kwargs_and_tuple_output(ckpt, use_reentrant):
+    """Keyword arguments to the function, a non-tensor argument and a tuple output (non-reentrant)."""
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def fn(u, scale, *, bias):
+        h = u @ w
+        return torch.tanh(h) * scale + bias, h.sum(0)
+
+    bias = torch.randn(3, requires_grad=True)
+    a, b = ckpt(fn, x, 0.5, bias=bias, **_variant_kwargs(use_reentrant))
+    (a.pow(2).sum() + b.sin().sum()).backward()
+    return [a.detach(), b.detach(), *_grads(x, w, bias)]
+
+
+def _double_sin_dispatch_mode():
+    """A user TorchDispatchMode class that doubles the result of aten.sin."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DoubleSin(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 2 if func is torch.ops.aten.sin.default else out
+
+    return DoubleSin
+
+
+def _probe_context_fn_reenters_mode(ckpt, use_reentrant):
+    """A user dispatch mode around the forward, re-entered in the recompute by ``context_fn``.
+
+    The remedy CKG102 suggests: the same mode object is entered again for the
+    recompute, so .backward() may run outside the mode.
+    """
+    import contextlib
+
+    import torch
+
+    mode = _double_sin_dispatch_mode()()
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    extra = {}
+    if _is_torch_checkpoint(ckpt):  # context_fn is a checkpoint keyword, not the function's
+        extra["context_fn"] = lambda: (contextlib.nullcontext(), mode)
+    with mode:
+        y = ckpt(lambda t: torch.sin(t) * w, x, **_variant_kwargs(use_reentrant), **extra)
+    y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_context_fn_mode_pair(ckpt, use_reentrant):
+    """``context_fn`` enters a fresh user dispatch mode for the forward and for the recompute.
+
+    The reference runs the function under one such mode.
+    """
+    import torch
+
+    DoubleSin = _double_sin_dispatch_mode()
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    fn = lambda t: torch.sin(t) * w  # noqa: E731
+    if _is_torch_checkpoint(ckpt):
+        y = ckpt(fn, x, **_variant_kwargs(use_reentrant), context_fn=lambda: (DoubleSin(), DoubleSin()))
+    else:
+        with DoubleSin():
+            y = ckpt(fn, x, **_variant_kwargs(use_reentrant))
+    y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_checkpoint_debug(ckpt, use_reentrant):
+    """``checkpoint(..., debug=True)``: torch logs the ops of the forward and the recompute."""
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    extra = {"debug": True} if _is_torch_checkpoint(ckpt) else {}
+    y = ckpt(lambda u: torch.sin(u @ w) * u, x, **_variant_kwargs(use_reentrant), **extra)
+    y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _probe_no_early_stop(ckpt, use_reentrant):
+    """``set_checkpoint_early_stop(False)``: the recompute runs the whole function."""
+    import torch
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with set_checkpoint_early_stop(False):
+        y = ckpt(lambda u: torch.sin(u @ w) * u, x, **_variant_kwargs(use_reentrant))
+    y.sum().backward()
+    return [y.detach(), *_grads(x, w)]
+
+
+def _flop_counter_step(ckpt, use_reentrant, scope):
+    """FlopCounterMode around the whole ``"step"``, or around the ``"forward"`` only."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    block, head = _mlp(), torch.nn.Linear(8, 1)
+    x = torch.randn(4, 8, requires_grad=True)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        y = head(ckpt(block, x, **_variant_kwargs(use_reentrant)))
+        if scope == "step":
+            y.sum().backward()
+    if scope == "forward":
+        y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters(), *head.parameters())]
+
+
+def _probe_flop_counter_step(ckpt, use_reentrant):
+    """torch's FlopCounterMode around a whole training step (forward and backward)."""
+    return _flop_counter_step(ckpt, use_reentrant, "step")
+
+
+def _probe_flop_counter_forward(ckpt, use_reentrant):
+    """torch's FlopCounterMode around the forward only (counting forward FLOPs), backward outside."""
+    return _flop_counter_step(ckpt, use_reentrant, "forward")
+
+
+def _probe_functional_call_swap_outside_block(ckpt, use_reentrant):
+    """functional_call swapping only the head's weight (not used by the checkpointed block), backward after."""
+    import torch
+    from torch.func import functional_call
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            h = ckpt(lambda t: torch.tanh(self.inner(t)), x, **_variant_kwargs(use_reentrant))
+            return self.outer(h)
+
+    torch.manual_seed(0)
+    net = Net()
+    new = {"outer.weight": (net.outer.weight.detach() * 1.5).requires_grad_()}
+    x = torch.randn(4, 3, requires_grad=True)
+    out = functional_call(net, new, (x,))
+    out.sum().backward()
+    return [out.detach(), *_grads(x, *new.values(), *net.parameters())]
+
+
+def _probe_functional_call_swap_other_module(ckpt, use_reentrant):
+    """functional_call swapping only the head; the checkpointed function is the block itself."""
+    import torch
+    from torch.func import functional_call
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.outer = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.outer(torch.tanh(ckpt(self.inner, x, **_variant_kwargs(use_reentrant))))
+
+    torch.manual_seed(0)
+    net = Net()
+    new = {"outer.weight": (net.outer.weight.detach() * 1.5).requires_grad_()}
+    x = torch.randn(4, 3, requires_grad=True)
+    out = functional_call(net, new, (x,))
+    out.sum().backward()
+    return [out.detach(), *_grads(x, *new.values(), *net.parameters())]
+
+
+def _probe_vmap_module_forward(ckpt, use_reentrant):
+    """vmap over a checkpointed nn.Module (parameters require grad), forward only, grad mode on."""
+    import torch
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    block = _mlp(3)
+    x = torch.randn(4, 3)
+    return [vmap(lambda t: ckpt(block, t, **_variant_kwargs(use_reentrant)))(x).detach()]
+
+
+def _probe_vmap_no_grad(ckpt, use_reentrant):
+    """vmap over a checkpointed nn.Module (parameters require grad) under torch.no_grad()."""
+    import torch
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    block = _mlp(3)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        return [vmap(lambda t: ckpt(block, t, **_variant_kwargs(use_reentrant)))(x)]
+
+
+def _probe_frozen_block(ckpt, use_reentrant):
+    """A frozen checkpointed block (no parameter requires grad) on data input; the head trains."""
+    import torch
+
+    torch.manual_seed(0)
+    block, head = _mlp(), torch.nn.Linear(8, 1)
+    block.requires_grad_(False)
+    x = torch.randn(4, 8)
+    y = head(ckpt(block, x, **_variant_kwargs(use_reentrant)))
+    y.sum().backward()
+    return [y.detach(), *_grads(*head.parameters())]
+
+
+def _probe_data_input_nonreentrant(ckpt, use_reentrant):
+    """Non-reentrant checkpoint of a block whose input does not require grad (its parameters do)."""
+    import torch
+
+    torch.manual_seed(0)
+    block, head = _mlp(), torch.nn.Linear(8, 1)
+    x = torch.randn(4, 8)
+    y = head(ckpt(block, x, **_variant_kwargs(use_reentrant)))
+    y.sum().backward()
+    return [y.detach(), *_grads(*block.parameters(), *head.parameters())]
+
+
+def _probe_default_dtype_whole_step(ckpt, use_reentrant):
+    """The default dtype is float64 for the whole step (forward and backward); the block creates a tensor."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        block = _mlp()
+        x = torch.randn(4, 8, requires_grad=True)
+        y = ckpt(lambda t: block(t) * torch.tensor(0.5), x, **_variant_kwargs(use_reentrant))
+        y.pow(2).sum().backward()
+    finally:
+        torch.set_default_dtype(previous)
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+SAFE_COMPOSITIONS: tuple[Composition, ...] = (
+    Composition(
+        name="training-step",
+        description="an ordinary training step through a checkpointed block",
+        variants=BOTH,
+        probe=_probe_training_step,
+    ),
+    Composition(
+        name="nested",
+        description="a checkpointed function that itself checkpoints a sub-block",
+        variants=BOTH,
+        probe=_probe_nested,
+    ),
+    Composition(
+        name="checkpoint-sequential",
+        description="torch.utils.checkpoint.checkpoint_sequential over an nn.Sequential",
+        variants=BOTH,
+        probe=_probe_checkpoint_sequential,
+    ),
+    Composition(
+        name="checkpoint-wrapper",
+        description="checkpoint_wrapper(module, checkpoint_impl=REENTRANT / NO_REENTRANT)",
+        variants=BOTH,
+        probe=_probe_checkpoint_wrapper,
+    ),
+    Composition(
+        name="apply-activation-checkpointing",
+        description="apply_activation_checkpointing wrapping every Linear of a model",
+        variants=BOTH,
+        probe=_probe_apply_activation_checkpointing,
+    ),
+    Composition(
+        name="composable-checkpoint",
+        description="the composable torch.distributed._composable.checkpoint(module)",
+        variants=(NON_REENTRANT,),
+        probe=_probe_composable_checkpoint,
+    ),
+    Composition(
+        name="jvp",
+        description="torch.func.jvp over a checkpointed pure function, nothing requires grad",
+        variants=(NON_REENTRANT,),
+        probe=_probe_jvp,
+    ),
+    Composition(
+        name="jacfwd",
+        description="torch.func.jacfwd over a checkpointed pure function, nothing requires grad",
+        variants=(NON_REENTRANT,),
+        probe=_probe_jacfwd,
+    ),
+    Composition(
+        name="vmap-forward",
+        description="torch.func.vmap over a checkpointed pure function, nothing requires grad",
+        variants=(NON_REENTRANT,),
+        probe=_probe_vmap_pure,
+    ),
+    Composition(
+        name="functionalize",
+        description="torch.func.functionalize over a checkpointed function that mutates a temporary",
+        variants=(NON_REENTRANT,),
+        probe=_probe_functionalize,
+    ),
+    Composition(
+        name="no-grad",
+        description="checkpoint called under torch.no_grad()",
+        variants=BOTH,
+        probe=_probe_no_grad,
+    ),
+    Composition(
+        name="inference-mode",
+        description="checkpoint called under torch.inference_mode()",
+        variants=BOTH,
+        probe=_probe_inference_mode,
+    ),
+    Composition(
+        name="save-on-cpu",
+        description="a training step inside torch.autograd.graph.save_on_cpu()",
+        variants=BOTH,
+        probe=_probe_save_on_cpu,
+    ),
+    Composition(
+        name="autograd-grad",
+        description="torch.autograd.grad through the checkpoint, including double backward",
+        variants=(NON_REENTRANT,),
+        probe=_probe_autograd_grad,
+    ),
+    Composition(
+        name="dispatch-mode-around-backward",
+        description="a user TorchDispatchMode active in the forward and around .backward()",
+        variants=BOTH,
+        probe=_probe_dispatch_mode_around_backward,
+    ),
+    Composition(
+        name="selective-checkpoint",
+        description="selective checkpointing: context_fn=create_selective_checkpoint_contexts([aten.mm])",
+        variants=(NON_REENTRANT,),
+        probe=_probe_selective,
+    ),
+    Composition(
+        name="autocast",
+        description='torch.autocast("cpu", dtype=torch.bfloat16) around the forward, backward outside',
+        variants=BOTH,
+        probe=_probe_autocast,
+    ),
+    Composition(
+        name="device-context",
+        description='with torch.device("cpu"): around the forward; the block creates a tensor',
+        variants=(NON_REENTRANT, REENTRANT),
+        probe=_probe_device_context,
+    ),
+    Composition(
+        name="two-optimizer-steps",
+        description="two optimizer steps of a model that checkpoints a block in its forward",
+        variants=BOTH,
+        probe=_probe_two_steps,
+    ),
+    Composition(
+        name="functional-call-backward-inside",
+        description="torch.func.functional_call whose module runs .backward() inside the call",
+        variants=BOTH,
+        probe=_probe_functional_call_backward_inside,
+    ),
+    Composition(
+        name="dropout-rng",
+        description="a block with dropout; preserve_rng_state (default) replays the RNG in the recompute",
+        variants=BOTH,
+        probe=_probe_dropout_rng,
+    ),
+    Composition(
+        name="kwargs-tuple-output",
+        description="keyword and non-tensor arguments to the function, a tuple output",
+        variants=(NON_REENTRANT,),
+        probe=_probe_kwargs_and_tuple_output,
+    ),
+    Composition(
+        name="context-fn-reenters-mode",
+        description="a user dispatch mode around the forward, re-entered for the recompute via context_fn",
+        variants=(NON_REENTRANT,),
+        probe=_probe_context_fn_reenters_mode,
+    ),
+    Composition(
+        name="no-early-stop",
+        description="set_checkpoint_early_stop(False) around the forward",
+        variants=(NON_REENTRANT,),
+        probe=_probe_no_early_stop,
+    ),
+    Composition(
+        name="flop-counter-around-step",
+        description="torch.utils.flop_counter.FlopCounterMode around forward and backward",
+        variants=BOTH,
+        probe=_probe_flop_counter_step,
+    ),
+    Composition(
+        name="vmap-no-grad",
+        description="vmap over a checkpointed module with trainable parameters, under torch.no_grad()",
+        variants=(NON_REENTRANT,),
+        probe=_probe_vmap_no_grad,
+    ),
+    Composition(
+        name="frozen-block",
+        description="a frozen checkpointed block on data input, the head after it trains",
+        variants=BOTH,
+        probe=_probe_frozen_block,
+    ),
+    Composition(
+        name="data-input-non-reentrant",
+        description="non-reentrant checkpoint of a trainable block whose input does not require grad",
+        variants=(NON_REENTRANT,),
+        probe=_probe_data_input_nonreentrant,
+    ),
+    Composition(
+        name="default-dtype-whole-step",
+        description="default dtype float64 for the whole step; the block creates a tensor",
+        variants=BOTH,
+        probe=_probe_default_dtype_whole_step,
+    ),
+    Composition(
+        name="context-fn-mode-pair",
+        description="context_fn enters a fresh user dispatch mode for the forward and for the recompute",
+        variants=(NON_REENTRANT,),
+        probe=_probe_context_fn_mode_pair,
+    ),
+    Composition(
+        name="checkpoint-debug",
+        description="checkpoint(..., debug=True): torch's LoggingTensorMode around forward and recompute",
+        variants=(NON_REENTRANT,),
+        probe=_probe_checkpoint_debug,
+    ),
+    Composition(
+        name="flop-counter-forward-only",
+        description="FlopCounterMode around the forward only, backward outside it",
+        variants=BOTH,
+        probe=_probe_flop_counter_forward,
+    ),
+    Composition(
+        name="functional-call-swap-other-module",
+        description="functional_call swapping only the head; the checkpointed block (a submodule) is untouched; backward after",
+        variants=BOTH,
+        probe=_probe_functional_call_swap_other_module,
+    ),
+)
+
+
+#: Compositions torch gets right on which the guard (this version) is NOT
+#: silent: known false alarms, kept apart so SAFE_COMPOSITIONS keeps its
+#: contract.  ``tests/test_no_false_alarms.py`` runs them as strict xfails, so a
+#: fix shows up as XPASS: then move the entry into SAFE_COMPOSITIONS.
+KNOWN_FALSE_ALARMS: tuple[Composition, ...] = (
+    Composition(
+        name="functional-call-swap-outside-block",
+        description="functional_call swapping only parameters the checkpointed block does not use, backward after",
+        variants=BOTH,
+        probe=_probe_functional_call_swap_outside_block,
+    ),
+    Composition(
+        name="vmap-module-forward-only",
+        description="vmap over a checkpointed module with trainable parameters, grad mode on, no backward",
+        variants=(NON_REENTRANT,),
+        probe=_probe_vmap_module_forward,
+    ),
+)
