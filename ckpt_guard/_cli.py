@@ -1,0 +1,377 @@
+"""``python -m ckpt_guard``: the live matrix, the rule table, and a guarded launcher.
+
+::
+
+    python -m ckpt_guard                   # measure every rule on this torch; exit 1 if the table is stale
+    python -m ckpt_guard --json            # the same, machine-readable on stdout
+    python -m ckpt_guard rules             # the rule table and the policy in force (from the environment)
+    python -m ckpt_guard explain CKG001    # one rule in full, with its minimal reproduction
+    python -m ckpt_guard run [--policy P] [--rules ID=P,...] script.py [args...]
+    python -m ckpt_guard run [--policy P] [--rules ID=P,...] -m package.module [args...]
+
+Command-line errors print one line (``ckpt_guard: error: ...``) and exit 2.
+Only the matrix imports torch; ``run`` installs the guard before the program
+imports torch, as ``ckpt_guard.install()`` at the top of it would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import runpy
+import sys
+import textwrap
+from types import TracebackType
+from typing import IO, Any, List, NoReturn, Optional, Sequence
+
+from . import _config
+
+PROG = "python -m ckpt_guard"
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A command-line error: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but errors are one line on stderr and exit 2 (subparsers inherit this)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _one_line(message: str) -> str:
+    text = " ".join(str(message).split())
+    return text[len("ckpt_guard: "):] if text.startswith("ckpt_guard: ") else text
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"ckpt_guard: error: {_one_line(message)}\n")
+    sys.stderr.flush()
+    return EXIT_USAGE
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Without a command: run every rule's live probe (and every safe composition's) on the "
+            "installed torch, with and without the guard, and print the compatibility matrix. "
+            "Exit status 1 when torch no longer behaves as the rule table says."
+        ),
+    )
+    parser.add_argument("--json", action="store_true", help="write the matrix as JSON to stdout")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    sub.add_parser("rules", help="list the rules and the policy in force for each (from the environment)")
+
+    explain = sub.add_parser("explain", help="print one rule in full, with its minimal reproduction")
+    explain.add_argument("rule_id", metavar="ID", help="a rule id, e.g. CKG001 (any case)")
+
+    run = sub.add_parser(
+        "run",
+        help="run a Python program with the guard installed",
+        usage=f"{PROG} run [--policy P] [--rules ID=P,...] (script.py | -m module) [args...]",
+        description=(
+            "Install the guard, then run the program as 'python script.py args...' or "
+            "'python -m module args...' would. Everything after the script or module name is "
+            "passed to the program untouched."
+        ),
+    )
+    run.add_argument(
+        "--policy",
+        help=f"one of {', '.join(_config.POLICIES)}; default: ${_config.ENV_POLICY} or {_config.DEFAULT_POLICY}",
+    )
+    run.add_argument(
+        "--rules", metavar="ID=P,...", help=f"per-rule overrides; default: ${_config.ENV_RULES}"
+    )
+    run.add_argument(
+        "-m", dest="module", nargs=argparse.REMAINDER, metavar="module [args...]",
+        help="run a library module as a script (like python -m)",
+    )
+    run.add_argument("script", nargs=argparse.REMAINDER, metavar="script.py [args...]")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status (SystemExit from ``run`` passes through)."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as exc:
+        return _fail(f"{exc} (see '{PROG} --help')")
+    try:
+        if args.command is None:
+            return _cmd_matrix(as_json=args.json, quiet=args.quiet)
+        if args.json:
+            raise UsageError(f"--json goes with the matrix ('{PROG} --json'), not with '{args.command}'")
+        if args.command == "rules":
+            return _cmd_rules()
+        if args.command == "explain":
+            return _cmd_explain(args.rule_id)
+        return _cmd_run(args)
+    except (UsageError, ValueError) as exc:
+        return _fail(str(exc))
+    except BrokenPipeError:
+        # Our own output went to a closed pipe ('... | head'); the program that
+        # 'run' runs reports its own errors (see _cmd_run), so this is ours.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+# --------------------------------------------------------------------------
+# the matrix
+
+
+def _can_encode(stream: IO[str], text: str) -> bool:
+    try:
+        text.encode(getattr(stream, "encoding", None) or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
+    """Left-aligned columns; the last column is not padded."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [str(c).ljust(w) for c, w in zip(cells[:-1], widths[:-1])]
+        return "  ".join([*padded, str(cells[-1])]).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> str:
+    """The matrix as text: header lines, the table, and a verdict (one line per disagreement)."""
+    from . import _matrix
+
+    yes, no, dash = ("✓", "✗", "—") if unicode else ("yes", "NO", "-")
+    cuda = head["cuda_used"]
+    lines = [
+        f"ckpt_guard {head['ckpt_guard']}",
+        f"torch      {head['torch']}",
+        f"Python     {head['python']}",
+        f"CUDA used  {'yes (' + str(head['cuda_device']) + ')' if cuda else 'no'}",
+        "",
+    ]
+    headers = ["rule", "variant", *(["device"] if cuda else []), "torch without guard", "strict",
+               "fallback", "agrees with table", "composition"]
+    cells = []
+    for row in rows:
+        fallback = {"ok": yes, "raises (by design)": "raises (by design)"}.get(row.fallback, no)
+        raw = row.raw if unicode else row.raw.replace("…", "...")
+        cells.append([
+            row.rule_id, row.variant, *([row.device] if cuda else []), raw, row.strict,
+            fallback, yes if row.agrees else no, row.name,
+        ])
+    lines += _table(headers, cells)
+    lines.append("")
+    found = _matrix.problems(rows)
+    if found:
+        lines += [line if unicode else line.replace("—", dash).replace("…", "...") for line in found]
+        disagreeing = sorted({f"{r.rule_id if r.kind == 'rule' else r.name} ({r.variant})" for r in rows if not r.agrees})
+        lines.append(f"{len(disagreeing)} of {len(rows)} rows disagree with the table: {', '.join(disagreeing)}")
+    else:
+        lines.append(
+            f"all {len(rows)} rows agree with the table on torch {head['torch']}: every rule's symptom "
+            "reproduced and caught, every safe composition left untouched"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_matrix(*, as_json: bool, quiet: bool) -> int:
+    try:
+        import torch
+
+        from . import _matrix, _patch
+
+        _patch.check_torch_version(torch.__version__)
+    except (ImportError, RuntimeError) as exc:  # no torch, or one too old for the guard
+        raise UsageError(f"cannot run the matrix: {exc}") from None
+
+    def progress(i: int, n: int, label: str) -> None:
+        if not quiet:
+            sys.stderr.write(f"[{i}/{n}] {label} ...\n")
+            sys.stderr.flush()
+
+    on = _matrix.devices()
+    head = _matrix.header(on)
+    rows = _matrix.run_matrix(on=on, progress=progress)
+    code = _matrix.exit_code(rows)
+    if as_json:
+        json.dump(
+            {
+                "header": head,
+                "rows": [row.as_dict() for row in rows],
+                "agrees": code == 0,
+                "problems": _matrix.problems(rows),
+            },
+            sys.stdout,
+            indent=2,
+            ensure_ascii=False,
+        )
+        sys.stdout.write("\n")
+    else:
+        unicode = _can_encode(sys.stdout, "✓✗—…")
+        sys.stdout.write(format_matrix(head, rows, unicode=unicode) + "\n")
+    sys.stdout.flush()
+    return code
+
+
+# --------------------------------------------------------------------------
+# rules and explain
+
+
+def _cmd_rules() -> int:
+    from ._rules import RULES
+
+    config = _config.build_config(None, None, read_env=True)  # as install() would: bad env -> ValueError
+    env = {
+        name: os.environ.get(name, "").strip() or "unset"
+        for name in (_config.ENV_POLICY, _config.ENV_RULES)
+    }
+    print(
+        f"policy in force: {config.describe()}  "
+        f"({_config.ENV_POLICY}: {env[_config.ENV_POLICY]}, {_config.ENV_RULES}: {env[_config.ENV_RULES]})"
+    )
+    print()
+    rows = [
+        [rule.id, config.policy_for(rule.id), rule.stage, ", ".join(rule.variants), rule.title]
+        for rule in RULES
+    ]
+    for line in _table(["id", "policy", "stage", "variants", "title"], rows):
+        print(line)
+    print()
+    print(f"details: {PROG} explain ID")
+    return 0
+
+
+def _wrapped(label: str, text: str, width: int = 100) -> List[str]:
+    return textwrap.wrap(
+        text, width=width, initial_indent=f"{label:<16}", subsequent_indent=" " * 16,
+        break_long_words=False, break_on_hyphens=False,
+    ) or [label]
+
+
+def _cmd_explain(rule_id: str) -> int:
+    from ._rules import RULE_IDS, RULES
+
+    wanted = rule_id.strip().upper()
+    rule = next((r for r in RULES if r.id == wanted), None)
+    if rule is None:
+        raise UsageError(f"unknown rule id {rule_id!r}; valid rule ids: {', '.join(RULE_IDS)}")
+    stage = {
+        "call": "call (decided when checkpoint is called)",
+        "recompute": "recompute (checked when the backward recomputes the block)",
+    }.get(rule.stage, rule.stage)
+    symptoms = ", ".join(f"{v}: {rule.symptom_for(v)}" for v in rule.variants)
+    out = [f"{rule.id}  {rule.title}", ""]
+    out += _wrapped("stage:", stage)
+    out += _wrapped("variants:", ", ".join(rule.variants))
+    out += _wrapped("trigger:", rule.trigger)
+    out += _wrapped("symptom:", f"{rule.symptom} [{symptoms}]")
+    if rule.raises_match:
+        out += _wrapped("torch's error:", f"matches /{rule.raises_match}/")
+    out += _wrapped("remedy:", rule.remedy)
+    out += _wrapped("fallback:", rule.fallback or "-")
+    out.append("references:" if rule.refs else "references:     -")
+    out += [f"  {ref}" for ref in rule.refs]
+    out += _wrapped("torch versions:", rule.torch_versions)
+    out.append("")
+    out.append(
+        "minimal reproduction (the rule's live probe: ckpt is torch.utils.checkpoint.checkpoint, "
+        "use_reentrant=True for the reentrant variant, False for non-reentrant; "
+        f"'{PROG}' runs it with and without the guard):"
+    )
+    out.append("")
+    try:
+        source = inspect.getsource(rule.probe)
+    except (OSError, TypeError) as exc:
+        source = f"<source not available: {exc}>"
+    out.append(textwrap.dedent(source).rstrip())
+    print("\n".join(out))
+    return 0
+
+
+# --------------------------------------------------------------------------
+# run
+
+
+def _user_traceback(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+    """Drop the leading frames of this launcher and runpy: start at the program's own code."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    own_files = {os.path.join(here, "_cli.py"), os.path.join(here, "__main__.py")}
+
+    def launcher(frame: Any) -> bool:
+        return (
+            frame.f_globals.get("__name__") == "runpy"
+            or os.path.abspath(frame.f_code.co_filename) in own_files
+        )
+
+    while tb is not None and tb.tb_next is not None and launcher(tb.tb_frame):
+        tb = tb.tb_next
+    return tb
+
+
+def _innermost_module(tb: Optional[TracebackType]) -> Optional[str]:
+    name = None
+    while tb is not None:
+        name = tb.tb_frame.f_globals.get("__name__")
+        tb = tb.tb_next
+    return name
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import ckpt_guard
+
+    if args.module is not None:
+        if not args.module:
+            raise UsageError("argument -m: expected a module name")
+        target, program_args, as_module = args.module[0], [*args.module[1:], *args.script], True
+    else:
+        script = list(args.script)
+        if script and script[0] == "--":
+            script = script[1:]
+        if not script:
+            raise UsageError(f"run needs a script or -m module: {PROG} run [--policy P] script.py [args...]")
+        target, program_args, as_module = script[0], script[1:], False
+
+    policy = _config.check_policy(args.policy, "--policy") if args.policy is not None else None
+    rules = _config.parse_rules_spec(args.rules, "--rules") if args.rules is not None else None
+
+    if not as_module:
+        if not os.path.exists(target):
+            raise UsageError(f"can't open file {os.path.abspath(target)!r}: no such file or directory")
+        # As python does for 'python script.py': the script's directory (symlinks
+        # resolved) replaces the current directory that 'python -m' put first.
+        if os.path.isfile(target):
+            first = os.path.dirname(os.path.realpath(target))
+        else:  # a directory or zip file with __main__.py
+            first = os.path.abspath(target)
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            sys.path[0] = first
+        else:
+            sys.path.insert(0, first)
+
+    ckpt_guard.install(policy, rules=rules)  # None: from the environment, as install() reads it
+    sys.argv = [target, *program_args]
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit:
+        raise  # the program's own exit status, exactly as python would use it
+    except Exception as exc:  # noqa: BLE001 - report it as python would, from the program's code
+        if as_module and isinstance(exc, ImportError) and _innermost_module(exc.__traceback__) == "runpy":
+            raise UsageError(str(exc)) from None  # runpy could not find or run the module
+        tb = _user_traceback(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        return 1
+    return 0

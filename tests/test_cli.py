@@ -1,0 +1,354 @@
+"""``python -m ckpt_guard``: the live matrix, ``rules``, ``explain`` and ``run``.
+
+Commands run in a subprocess (``sys.executable -m ckpt_guard``) from a
+temporary directory, with no ``CKPT_GUARD_*`` variables in the environment.
+The full matrix runs in a subprocess twice (text and ``--json``); the stale
+detection is tested on the pure functions of ``ckpt_guard._matrix``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckpt_guard
+from ckpt_guard import _config, _matrix
+from ckpt_guard._compositions import SAFE_COMPOSITIONS
+from ckpt_guard._rules import NON_REENTRANT, REENTRANT, RULE_IDS, RULES, rule_by_id
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_GUARD_")}
+    env.pop("PYTHONPATH", None)
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, cwd, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt_guard", *args],
+        cwd=str(cwd),
+        env=_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        timeout=timeout,
+    )
+
+
+def assert_one_line_usage_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("ckpt_guard: error: "), lines[0]
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# --------------------------------------------------------------------------
+# the matrix (two subprocess runs in all)
+
+ROWS_PER_DEVICE = sum(len(r.variants) for r in RULES) + sum(len(c.variants) for c in SAFE_COMPOSITIONS)
+
+
+def test_matrix_text_agrees_on_this_torch(tmp_path):
+    result = cli(cwd=tmp_path, env=_env(PYTHONIOENCODING="utf-8"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    head = out.splitlines()[:4]
+    assert head[0] == f"ckpt_guard {ckpt_guard.__version__}"
+    assert torch.__version__ in head[1]
+    assert head[2].startswith("Python ")
+    assert head[3].startswith("CUDA used ")
+    for rule_id in RULE_IDS:
+        assert rule_id in out
+    for composition in SAFE_COMPOSITIONS:
+        assert composition.name in out
+    assert "raises (by design)" in out  # CKG105: drift first seen at recompute
+    assert "STALE" not in out and "✗" not in out
+    assert "agree with the table" in out.splitlines()[-1]
+    # progress goes to stderr, one line per row
+    n = ROWS_PER_DEVICE * (2 if torch.cuda.is_available() else 1)
+    assert f"[1/{n}] " in result.stderr and f"[{n}/{n}] " in result.stderr
+
+
+def test_matrix_json(tmp_path):
+    result = cli("--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # progress stays on stderr
+    assert data["agrees"] is True and data["problems"] == []
+    assert data["header"]["torch"] == torch.__version__
+    assert data["header"]["ckpt_guard"] == ckpt_guard.__version__
+    assert data["header"]["cuda_used"] == torch.cuda.is_available()
+    cpu_rows = [row for row in data["rows"] if row["device"] == "cpu"]
+    got = sorted((row["rule_id"], row["name"], row["variant"]) for row in cpu_rows)
+    want = sorted(
+        [(r.id, r.title, v) for r in RULES for v in r.variants]
+        + [("-", c.name, v) for c in SAFE_COMPOSITIONS for v in c.variants]
+    )
+    assert got == want
+    for row in data["rows"]:
+        assert row["agrees"] is True, row
+        if row["kind"] == "rule":
+            assert row["strict"] == "raised"
+            assert row["expected"] == rule_by_id(row["rule_id"]).symptom_for(row["variant"])
+        else:
+            assert row["raw"] == "ok" and row["strict"] == "passed" and row["strict_equal_raw"] is True
+            assert row["strict_warnings"] == []
+
+
+# --------------------------------------------------------------------------
+# the matrix's pure functions, in process
+
+
+def _training_step(ckpt, use_reentrant):
+    """A composition torch gets right."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    ckpt(lin, x, use_reentrant=use_reentrant).sum().backward()
+    return [x.grad, lin.weight.grad]
+
+
+def test_stale_rule_is_detected():
+    # A rule whose probe torch gets right, while the table says torch raises.
+    fixed = dataclasses.replace(
+        rule_by_id("CKG001"), probe=_training_step, variants=(NON_REENTRANT,),
+        symptom_kind="raises", symptom_by_variant=(),
+    )
+    rows = _matrix.run_matrix(rules=[fixed], compositions=[], on=["cpu"])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row.raw == "ok" and row.expected == "raises"
+    assert not row.agrees
+    assert _matrix.exit_code(rows) == 1
+    lines = _matrix.problems(rows)
+    assert lines[0].startswith("STALE: CKG001 (non-reentrant): table says raises, torch ")
+    assert "returned ok" in lines[0] and "fixed upstream" in lines[0]
+    # and the guard did not catch what does not happen
+    assert row.strict == "passed"
+
+
+def test_silently_wrong_claim_against_a_raise_is_stale():
+    # The table says "silently wrong", torch raises: also a disagreement.
+    rule = dataclasses.replace(rule_by_id("CKG001"), symptom_kind="silently wrong", raises_match="")
+    row = _matrix.measure_rule(rule, NON_REENTRANT)
+    assert row.raw.startswith("raises: RuntimeError: ")
+    assert any(p.startswith("STALE: CKG001 (non-reentrant): table says silently wrong") for p in row.problems)
+
+
+def test_raises_match_is_checked():
+    rule = dataclasses.replace(rule_by_id("CKG001"), raises_match=r"some other error entirely")
+    row = _matrix.measure_rule(rule, NON_REENTRANT)
+    assert not row.agrees
+    assert "/some other error entirely/" in row.problems[0]
+
+
+def test_real_rule_row_agrees_and_fallback_by_design():
+    row = _matrix.measure_rule(rule_by_id("CKG105"), REENTRANT)
+    assert row.agrees, row.problems
+    assert (row.raw, row.strict, row.fallback) == ("silently wrong", "raised", "raises (by design)")
+
+
+def test_run_matrix_restores_install_state_and_ignores_scopes():
+    ckpt_guard.install("warn", rules={"CKG003": "off"})
+    try:
+        before = _config.current()
+        with ckpt_guard.policy("off"):  # a caller's scope must not leak into the measured policies
+            rows = _matrix.run_matrix(
+                rules=[rule_by_id("CKG002")], compositions=SAFE_COMPOSITIONS[:1], on=["cpu"]
+            )
+        assert [r.agrees for r in rows] == [True] * len(rows), _matrix.problems(rows)
+        assert ckpt_guard.is_installed()
+        assert _config.current() == before
+    finally:
+        ckpt_guard.uninstall()
+    rows = _matrix.run_matrix(rules=[rule_by_id("CKG002")], compositions=[], on=["cpu"])
+    assert rows[0].agrees
+    assert not ckpt_guard.is_installed()
+
+
+def test_short_error():
+    assert _matrix.short_error(RuntimeError("x" * 200)).startswith("RuntimeError: xxx")
+    assert len(_matrix.short_error(RuntimeError("x" * 200))) <= len("RuntimeError: ") + _matrix.MESSAGE_CHARS
+    assert _matrix.short_error(ValueError("first\nsecond")) == "ValueError: first"
+    assert _matrix.short_error(KeyError()) == "KeyError"
+
+
+# --------------------------------------------------------------------------
+# rules and explain
+
+
+def test_rules_lists_every_id_with_policy(tmp_path):
+    result = cli("rules", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for rule in RULES:
+        line = next(l for l in result.stdout.splitlines() if l.startswith(rule.id))
+        assert "strict" in line and rule.title in line
+
+
+def test_rules_reads_environment(tmp_path):
+    env = _env(CKPT_GUARD_POLICY="fallback", CKPT_GUARD_RULES="ckg003=warn")
+    result = cli("rules", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert next(l for l in lines if l.startswith("CKG003")).split()[1] == "warn"
+    assert next(l for l in lines if l.startswith("CKG001")).split()[1] == "fallback"
+
+
+@pytest.mark.parametrize(
+    "var, value, needle",
+    [("CKPT_GUARD_POLICY", "bogus", "'bogus'"), ("CKPT_GUARD_RULES", "CKG3=warn", "'CKG3'")],
+)
+def test_rules_bad_environment_exits_2(tmp_path, var, value, needle):
+    result = cli("rules", cwd=tmp_path, env=_env(**{var: value}))
+    assert_one_line_usage_error(result, needle, var)
+
+
+def test_explain_prints_rule_and_probe_source(tmp_path):
+    result = cli("explain", "ckg001", cwd=tmp_path)  # ids are case-insensitive
+    assert result.returncode == 0, result.stderr
+    out = " ".join(result.stdout.split())  # undo the wrapping
+    rule = rule_by_id("CKG001")
+    assert result.stdout.startswith(f"CKG001  {rule.title}")
+    for text in (rule.trigger, rule.symptom, rule.remedy, rule.fallback, rule.torch_versions, *rule.refs):
+        assert " ".join(text.split()) in out
+    assert "def _probe_grad_transform(ckpt, use_reentrant):" in result.stdout
+    assert "return [vmap(grad(loss))(x)]" in result.stdout
+
+
+def test_explain_unknown_id_exits_2(tmp_path):
+    result = cli("explain", "NOPE", cwd=tmp_path)
+    assert_one_line_usage_error(result, "'NOPE'", *RULE_IDS)
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("bogus",), "'bogus'"),
+        (("explain",), "ID"),
+        (("run",), "script"),
+        (("run", "-m"), "-m"),
+        (("run", "--policy", "nope", "x.py"), "'nope'"),
+        (("run", "--rules", "CKG001", "x.py"), "malformed"),
+        (("run", "--rules", "CKG999=warn", "x.py"), "'CKG999'"),
+        (("run", "missing_script.py"), "missing_script.py"),
+        (("run", "-m", "no_such_module_for_ckpt_guard"), "no_such_module_for_ckpt_guard"),
+    ],
+)
+def test_command_line_errors_are_one_line(tmp_path, args, needle):
+    assert_one_line_usage_error(cli(*args, cwd=tmp_path), needle)
+
+
+# --------------------------------------------------------------------------
+# run
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    print("argv", sys.argv)
+    print("name", __name__)
+    print("path0", sys.path[0])
+    import helper_next_to_script
+    if sys.argv[1:2] == ["exit"]:
+        sys.exit(int(sys.argv[2]))
+    if sys.argv[1:2] == ["boom"]:
+        def explode():
+            raise ValueError("boom from the script")
+        explode()
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    folder = tmp_path / "prog"
+    folder.mkdir()
+    (folder / "helper_next_to_script.py").write_text("")
+    path = folder / "prog_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_run_script_sees_argv_and_main(tmp_path, script):
+    result = cli("run", str(script), "a", "--policy", "b", "-h", "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"argv {[str(script), 'a', '--policy', 'b', '-h', '--json']!r}" in result.stdout
+    assert "name __main__" in result.stdout
+    assert f"path0 {script.parent}" in result.stdout  # the script's folder, as python does
+
+
+def test_run_propagates_exit_status(tmp_path, script):
+    assert cli("run", str(script), "exit", "3", cwd=tmp_path).returncode == 3
+    assert cli("run", "--policy", "warn", str(script), "exit", "0", cwd=tmp_path).returncode == 0
+
+
+def test_run_traceback_points_at_the_script(tmp_path, script):
+    result = cli("run", str(script), "boom", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.startswith("Traceback (most recent call last):")
+    assert f'File "{script}", line' in result.stderr
+    assert "in explode" in result.stderr
+    assert result.stderr.strip().endswith("ValueError: boom from the script")
+    assert "runpy" not in result.stderr and "_cli.py" not in result.stderr
+
+
+BAD_COMPOSITION = textwrap.dedent(
+    """
+    import torch
+    from torch.func import grad
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(3)
+    def loss(x):
+        return checkpoint(lambda t: (t * w).sin().sum(), x, use_reentrant=False)
+    print("grad", grad(loss)(torch.randn(3)))
+    """
+)
+
+
+def test_run_strict_catches_bad_composition(tmp_path):
+    path = tmp_path / "bad_composition.py"
+    path.write_text(BAD_COMPOSITION)
+    result = cli("run", "--policy", "strict", str(path), cwd=tmp_path)
+    assert result.returncode == 1
+    assert "CheckpointCompositionError" in result.stderr and "[CKG001]" in result.stderr
+    assert str(path) in result.stderr
+
+
+def test_run_policy_and_rules_reach_the_program(tmp_path):
+    path = tmp_path / "bad_composition.py"
+    path.write_text(BAD_COMPOSITION)
+    fallback = cli("run", "--policy", "fallback", str(path), cwd=tmp_path)
+    assert fallback.returncode == 0, fallback.stderr
+    assert "grad tensor(" in fallback.stdout and "CheckpointCompositionWarning" in fallback.stderr
+    # the environment's policy, with one rule switched off on the command line: torch's own error
+    off = cli("run", "--rules", "CKG001=off", str(path), cwd=tmp_path, env=_env(CKPT_GUARD_POLICY="warn"))
+    assert off.returncode == 1
+    assert "don't yet support saved tensor hooks" in off.stderr
+    assert "CheckpointCompositionError" not in off.stderr and "[CKG001]" not in off.stderr
+
+
+def test_run_module(tmp_path):
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tool.py").write_text(SCRIPT.replace("import helper_next_to_script\n", ""))
+    env = _env(PYTHONPATH=str(tmp_path))
+    result = cli("run", "-m", "mypkg.tool", "x", "--policy", "y", cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert f"argv {[str(package / 'tool.py'), 'x', '--policy', 'y']!r}" in result.stdout
+    assert "name __main__" in result.stdout
+    exited = cli("run", "--policy", "warn", "-m", "mypkg.tool", "exit", "4", cwd=tmp_path, env=env)
+    assert exited.returncode == 4
+    boom = cli("run", "-m", "mypkg.tool", "boom", cwd=tmp_path, env=env)
+    assert boom.returncode == 1 and str(package / "tool.py") in boom.stderr
