@@ -213,6 +213,20 @@ def _error_rule_id(exc: Optional[BaseException]) -> Optional[str]:
 # one row
 
 
+def _four_runs(probe: Any, use_reentrant: bool, device: str) -> tuple:
+    """The reference, raw torch, strict and fallback runs of one probe."""
+    return tuple(_run(probe, use_reentrant, how, device) for how in ("reference", "raw", "strict", "fallback"))
+
+
+def _broken_probe(label: str, reference: Any, raw: Any, problems: List[str]) -> str:
+    """The reference itself raised: the probe is broken; say so, return the raw column."""
+    problems.append(
+        f"BROKEN PROBE: {label}: the uncheckpointed reference raised "
+        f"{short_error(reference.error, 200)}"  # type: ignore[arg-type]
+    )
+    return "raises: " + short_error(raw.error) if raw.raised else "ok?"  # type: ignore[arg-type]
+
+
 def measure_rule(rule: Rule, variant: str, device: str = "cpu") -> Row:
     """Run ``rule``'s probe four ways and say whether the table's claims hold."""
     started = time.perf_counter()
@@ -222,18 +236,11 @@ def measure_rule(rule: Rule, variant: str, device: str = "cpu") -> Row:
     version = _torch_version()
     problems: List[str] = []
 
-    reference = _run(rule.probe, use_reentrant, "reference", device)
-    raw = _run(rule.probe, use_reentrant, "raw", device)
-    strict = _run(rule.probe, use_reentrant, "strict", device)
-    fallback = _run(rule.probe, use_reentrant, "fallback", device)
+    reference, raw, strict, fallback = _four_runs(rule.probe, use_reentrant, device)
 
     # --- raw torch, measured, then compared with the table
     if reference.raised:
-        raw_text = "raises: " + short_error(raw.error) if raw.raised else "ok?"  # type: ignore[arg-type]
-        problems.append(
-            f"BROKEN PROBE: {label}: the uncheckpointed reference raised "
-            f"{short_error(reference.error, 200)}"  # type: ignore[arg-type]
-        )
+        raw_text = _broken_probe(label, reference, raw, problems)
     else:
         raw_text = _classify_raw(raw, reference)
         measured = _kind_of(raw_text)
@@ -307,17 +314,10 @@ def measure_composition(composition: Any, variant: str, device: str = "cpu") -> 
     version = _torch_version()
     problems: List[str] = []
 
-    reference = _run(composition.probe, use_reentrant, "reference", device)
-    raw = _run(composition.probe, use_reentrant, "raw", device)
-    strict = _run(composition.probe, use_reentrant, "strict", device)
-    fallback = _run(composition.probe, use_reentrant, "fallback", device)
+    reference, raw, strict, fallback = _four_runs(composition.probe, use_reentrant, device)
 
     if reference.raised:
-        raw_text = "raises: " + short_error(raw.error) if raw.raised else "ok?"  # type: ignore[arg-type]
-        problems.append(
-            f"BROKEN PROBE: {label}: the uncheckpointed reference raised "
-            f"{short_error(reference.error, 200)}"  # type: ignore[arg-type]
-        )
+        raw_text = _broken_probe(label, reference, raw, problems)
     else:
         raw_text = _classify_raw(raw, reference)
         if raw_text != "ok":

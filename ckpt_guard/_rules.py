@@ -581,7 +581,9 @@ _DRIFT_RULES = [
         raises_match=r"[Rr]ecomputed values for the following tensors have different metadata",
         remedy="restore the default dtype before .backward(), or set it once at program start",
         fallback=_DRIFT_FALLBACK,
-        refs=(),
+        # No upstream thread on this one; the closest: which global state the
+        # recompute does restore (autocast), and which it does not.
+        refs=("https://github.com/pytorch/pytorch/pull/71169",),
         torch_versions="all; measured on 2.13",
         probe=_probe_default_dtype,
         read="default_dtype",
