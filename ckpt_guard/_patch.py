@@ -104,20 +104,18 @@ def _no_checkpoint_generator():
     yield
 
 
-def _is_user_context_fn(args: tuple, index: int) -> bool:
-    """A ``context_fn`` the user chose (not torch's no-op, not the composable API's own)."""
-    import torch.utils.checkpoint as tuc
-
-    context_fn = args[index] if len(args) > index else tuc.noop_context_fn
-    return context_fn is not tuc.noop_context_fn and getattr(context_fn, "__module__", "") != (
-        "torch.distributed._composable.checkpoint_activation"
-    )
+def _is_user_context_fn(context_fn: Any) -> bool:
+    """A ``context_fn`` the user chose: not the composable API's own (slow path)."""
+    return getattr(context_fn, "__module__", "") != "torch.distributed._composable.checkpoint_activation"
 
 
 def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     from . import _decide, _state
 
     n_fixed = _count_fixed_params(original)
+    import torch.utils.checkpoint as tuc
+
+    noop_context_fn = getattr(tuc, "noop_context_fn", None)
     names = list(inspect.signature(original).parameters)
     context_index = names.index("context_fn") if "context_fn" in names[:n_fixed] else None
     current_config = _config.current
@@ -144,7 +142,12 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
             and anticipate(config, forward_state, False, function) != PROCEED
         ):
             return _no_checkpoint_generator()
-        modes_managed = context_index is not None and _is_user_context_fn(args, context_index)
+        modes_managed = (
+            context_index is not None
+            and len(args) > context_index
+            and args[context_index] is not noop_context_fn
+            and _is_user_context_fn(args[context_index])
+        )
         guarded = recompute_guard(function, False, config, forward_state, modes_managed)
         return original(guarded, *args[1:], **kwargs)
 

@@ -1,0 +1,27 @@
+"""Smoke test: benchmarks/overhead.py --quick runs and prints its report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "overhead.py")
+
+
+def test_overhead_quick_runs_and_reports():
+    env = dict(os.environ)
+    env.pop("CKPT_GUARD_POLICY", None)
+    env.pop("CKPT_GUARD_RULES", None)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "| case | use_reentrant | mode | raw µs/call | guarded µs/call" in out, out
+    assert "Proof: `import ckpt_guard` does not import torch" in out, out
+    # every combination is reported: 2 sizes x 2 variants x 2 modes
+    assert out.count("| Linear+relu 64x64 |") == 4, out
+    assert out.count("| Transformer block d=256 |") == 4, out
