@@ -272,17 +272,11 @@ def _probe_autograd_grad(ckpt, use_reentrant):
 def _probe_dispatch_mode_around_backward(ckpt, use_reentrant):
     """A user TorchDispatchMode (doubles sin) active in the forward and around .backward()."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class DoubleSin(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            return out * 2 if func is torch.ops.aten.sin.default else out
 
     torch.manual_seed(0)
     w = torch.randn(3, requires_grad=True)
     x = torch.randn(4, 3, requires_grad=True)
-    with DoubleSin():
+    with _double_sin_dispatch_mode()():
         y = ckpt(lambda t: torch.sin(t) * w, x, **_variant_kwargs(use_reentrant))
         y.sum().backward()
     return [y.detach(), *_grads(x, w)]

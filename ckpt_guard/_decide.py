@@ -40,20 +40,25 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or ""
 _STDLIB_HELPERS = ("contextlib.py", "functools.py", "threading.py")
 
 
-def _is_library_frame(frame: FrameType) -> bool:
-    filename = frame.f_code.co_filename
-    return (
-        filename in _OWN_FILES
-        or filename.startswith(_TORCH_DIR)
-        or filename.endswith(_STDLIB_HELPERS)
-    )
+_library_codes: dict = {}
+
+
+def _is_library_code(code: Any) -> bool:
+    """Torch's, the guard's or a stdlib helper's code (cached per code object: hot path)."""
+    known = _library_codes.get(code)
+    if known is None:
+        filename = code.co_filename
+        known = _library_codes[code] = (
+            filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename.endswith(_STDLIB_HELPERS)
+        )
+    return known
 
 
 def user_frame(start: Optional[FrameType] = None) -> tuple[Optional[FrameType], int]:
     """The innermost frame outside torch and the guard, and its depth from ``start``."""
     frame = start if start is not None else sys._getframe(1)
     depth = 0
-    while frame is not None and _is_library_frame(frame):
+    while frame is not None and _is_library_code(frame.f_code):
         frame = frame.f_back
         depth += 1
     return frame, depth
@@ -62,7 +67,11 @@ def user_frame(start: Optional[FrameType] = None) -> tuple[Optional[FrameType], 
 def describe_site(frame: Optional[FrameType]) -> str:
     if frame is None:
         return "<unknown: no user frame on this thread's stack>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return _format_site(frame.f_code, frame.f_lineno)
+
+
+def _format_site(code: Any, line: int) -> str:
+    return f"{code.co_filename}:{line} in {code.co_name}"
 
 
 # --------------------------------------------------------------------------
@@ -251,19 +260,6 @@ _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
 
-_library_codes: dict = {}
-
-
-def _is_library_code(code: Any) -> bool:
-    known = _library_codes.get(code)
-    if known is None:
-        filename = code.co_filename
-        known = _library_codes[code] = (
-            filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename.endswith(_STDLIB_HELPERS)
-        )
-    return known
-
-
 # Where the user's frame sat last time, as (depth from forward_site, code of
 # the library frame just below it): the usual call chain has a fixed shape
 # (checkpoint and torch's decorator frames), so one lookup usually finds it.
@@ -306,7 +302,7 @@ def _describe_forward_site(site: tuple) -> str:
         if start <= lasti < end and number is not None:
             line = number
             break
-    return f"{code.co_filename}:{line} in {code.co_name}"
+    return _format_site(code, line)
 
 
 def recompute_guard(

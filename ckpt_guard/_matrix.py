@@ -213,6 +213,10 @@ def _error_rule_id(exc: Optional[BaseException]) -> Optional[str]:
 # one row
 
 
+def _label(name: str, variant: str, device: str) -> str:
+    return f"{name} ({variant}{'' if device == 'cpu' else ', ' + device})"
+
+
 def _four_runs(probe: Any, use_reentrant: bool, device: str) -> tuple:
     """The reference, raw torch, strict and fallback runs of one probe."""
     return tuple(_run(probe, use_reentrant, how, device) for how in ("reference", "raw", "strict", "fallback"))
@@ -231,7 +235,7 @@ def measure_rule(rule: Rule, variant: str, device: str = "cpu") -> Row:
     """Run ``rule``'s probe four ways and say whether the table's claims hold."""
     started = time.perf_counter()
     use_reentrant = _use_reentrant(variant)
-    label = f"{rule.id} ({variant}{'' if device == 'cpu' else ', ' + device})"
+    label = _label(rule.id, variant, device)
     expected = rule.symptom_for(variant)
     version = _torch_version()
     problems: List[str] = []
@@ -310,7 +314,7 @@ def measure_composition(composition: Any, variant: str, device: str = "cpu") -> 
     """Run a safe composition's probe four ways: the guard must stay out of the way."""
     started = time.perf_counter()
     use_reentrant = _use_reentrant(variant)
-    label = f"{composition.name} ({variant}{'' if device == 'cpu' else ', ' + device})"
+    label = _label(composition.name, variant, device)
     version = _torch_version()
     problems: List[str] = []
 

@@ -38,7 +38,7 @@ import inspect
 import sys
 import threading
 import warnings
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 from . import _config
 
@@ -47,7 +47,7 @@ MIN_TORCH = (2, 4)
 _lock = threading.RLock()
 _installed = False
 _hook_registered = False
-# (restore function, description) for every patch currently applied
+# how to undo each patch currently applied, in the order applied
 _applied: List[Callable[[], None]] = []
 
 
@@ -334,9 +334,6 @@ def install(config: _config.Config) -> None:
             return
         if "torch" in sys.modules and getattr(sys.modules["torch"], "__version__", None):
             # torch is (fully) imported: patch now, and let a bad version raise here.
-            import torch
-
-            check_torch_version(torch.__version__)
             _installed = True
             try:
                 _apply_patches()
@@ -368,8 +365,3 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     return _installed
-
-
-def patched_objects() -> Optional[int]:
-    """How many patches are applied (for tests and diagnostics)."""
-    return len(_applied)

@@ -10,6 +10,10 @@ behaviour and the guarded behaviour (see ``tests/test_rules.py`` and
 ``python -m ckpt_guard``).  A rule's claim about torch is only as good as its
 probe on the installed torch.
 
+Each probe is self-contained on purpose (``python -m ckpt_guard explain ID``
+prints its source as the minimal reproduction), so probes here repeat small
+pieces such as a mode class rather than share helpers.
+
 Adding a rule means adding one record (and its probe) below.  If it reads
 state the table has never read, extend ``CallState`` / ``call_is_quiet`` in
 ``_state.py`` too.
