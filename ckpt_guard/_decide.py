@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from functools import partial as _partial
 from dataclasses import replace
 from types import FrameType
 from typing import Any, Optional
@@ -26,6 +27,7 @@ NON_REENTRANT_INSTEAD = "non-reentrant"  # fallback: use_reentrant=False instead
 NO_CHECKPOINT = "no-checkpoint"  # fallback: run the function without checkpointing
 
 _SEVERITY = _config.SEVERITY
+_is_grad_enabled = _state.is_grad_enabled
 
 # --------------------------------------------------------------------------
 # where the user called checkpoint
@@ -238,10 +240,23 @@ _DRIFT_RENDERERS = tuple(getattr(_state, rule.render) for rule in DRIFT_RULES)
 
 
 def _compile_capture(readers: tuple) -> Any:
-    """``lambda: (reader0(), reader1(), ...)`` without a loop: ~2x faster than one."""
-    namespace = {f"read{i}": read for i, read in enumerate(readers)}
-    body = ", ".join(f"read{i}()" for i in range(len(readers)))
-    exec(f"def capture():\n    return ({body},)\n", namespace)  # noqa: S102 - fixed, generated source
+    """``lambda: (read0(), read1(), ...)`` as one generated expression.
+
+    A reader with an ``active`` attribute (a builtin query that is falsy when
+    nothing is active, see ``_state``) is only called when that query says so,
+    and ``()`` is used otherwise: on the usual quiet call this costs a few
+    builtin calls instead of one Python call per drift rule.
+    """
+    namespace: dict = {}
+    parts = []
+    for i, read in enumerate(readers):
+        namespace[f"read{i}"] = read
+        if hasattr(read, "active"):
+            namespace[f"active{i}"] = read.active
+            parts.append(f"(read{i}() if active{i}() else ())")
+        else:
+            parts.append(f"read{i}()")
+    exec(f"def capture():\n    return ({', '.join(parts)},)\n", namespace)  # noqa: S102 - generated from the table
     return namespace["capture"]
 
 
@@ -313,34 +328,29 @@ def recompute_guard(
     ``modes_managed``: the caller passed its own ``context_fn``, which sets up
     the recompute's environment itself, so mode differences are its business.
 
-    Everything the check needs travels in this closure: the recompute may run
-    on an autograd worker thread, which inherits neither ``threading.local``
-    nor ``contextvars``.  The reentrant variant calls the same function for
-    the forward and the recompute, so its first call is not checked; the
-    non-reentrant variant calls the function it was given only to recompute.
+    Everything the check needs travels with the returned callable: the
+    recompute may run on an autograd worker thread, which inherits neither
+    ``threading.local`` nor ``contextvars``.  A ``functools.partial`` carries
+    it: one C object, no per-call closure cells or mutable state.
     """
-    site = forward_site()
-    if reentrant:
-        forward_done = False
+    return _partial(_checked_call, function, reentrant, config, forward_state, forward_site(), modes_managed)
 
-        def guarded_function(*args: Any, **kwargs: Any) -> Any:
-            nonlocal forward_done
-            if forward_done:
-                state = capture()
-                if state != forward_state:
-                    report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
-            forward_done = True
-            return function(*args, **kwargs)
 
-    else:
+def _checked_call(
+    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
+    modes_managed: bool, /, *args: Any, **kwargs: Any,
+) -> Any:
+    """Call ``function``; first compare the state with the forward's if this is a recompute.
 
-        def guarded_function(*args: Any, **kwargs: Any) -> Any:
-            state = capture()
-            if state != forward_state:
-                report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
-            return function(*args, **kwargs)
-
-    return guarded_function
+    The non-reentrant variant calls the function it was given only to
+    recompute.  The reentrant variant also runs the forward through it, but
+    always under ``no_grad``, while its recompute runs under ``enable_grad``.
+    """
+    if not reentrant or _is_grad_enabled():
+        state = capture()
+        if state != forward_state:
+            report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
+    return function(*args, **kwargs)
 
 
 def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:

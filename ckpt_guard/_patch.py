@@ -130,7 +130,7 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
         if not config.active or is_compiling():
             return original(*args, **kwargs)
         function = args[0]
-        if not call_is_quiet(False, args[n_fixed:]):
+        if not call_is_quiet(False, ()):  # the non-reentrant check does not look at the inputs
             if _decide.decide_call(False, function, args[n_fixed:], config) != PROCEED:
                 return _no_checkpoint_generator()
         if not is_grad_enabled():

@@ -11,7 +11,9 @@ Reading all of it costs a few microseconds, so the patch points first ask
 can fire; only a non-quiet call pays for the full reading.
 
 *Recompute time* (``_decide.capture``): a tuple with one value per drift rule,
-read in the forward and again when the recompute starts.  torch's own
+read in the forward and again when the recompute starts.  A reader may carry
+an ``active`` attribute, a builtin query that is falsy when its state is empty,
+so the capture can skip the Python call on the usual quiet path.  torch's own
 infrastructure modes (fake/functional/proxy tensors under ``torch.compile``,
 selective checkpointing's caching modes, ``with torch.device(...)``) are not the
 user's and are left out, so they can never cause a report.
@@ -68,6 +70,9 @@ def transform_stack() -> tuple[tuple[str, int], ...]:
         (_TRANSFORM_NAMES.get(i.key().name, i.key().name.lower()), i.level())
         for i in retrieve_all_functorch_interpreters()
     )
+
+
+transform_stack.active = peek_interpreter_stack  # type: ignore[attr-defined]
 
 
 def describe_transforms(stack: tuple[tuple[str, int], ...]) -> str:
@@ -129,6 +134,10 @@ def user_function_modes() -> tuple[type, ...]:
     if not _len_function_stack():
         return ()
     return tuple(type(m) for m in _get_current_function_mode_stack() if is_user_mode(m))
+
+
+user_dispatch_modes.active = _len_dispatch_stack  # type: ignore[attr-defined]
+user_function_modes.active = _len_function_stack  # type: ignore[attr-defined]
 
 
 def describe_modes(modes: tuple[type, ...]) -> str:
