@@ -200,32 +200,31 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
         _events.emit(rule.id, policy, "raised", site, "call")
         raise CheckpointCompositionError(message, rule)
 
-    outcome = PROCEED
-    if policy == "fallback":
-        if reentrant and _nothing_fires(replace(state, reentrant=False)):
-            outcome, action = NON_REENTRANT_INSTEAD, "ran it with use_reentrant=False instead (policy fallback)"
-        else:
-            outcome, action = NO_CHECKPOINT, "ran it without checkpointing instead (policy fallback)"
+    if policy == "warn":
+        outcome = PROCEED
+    elif reentrant and _nothing_fires(replace(state, reentrant=False)):
+        outcome = NON_REENTRANT_INSTEAD
+    else:
+        outcome = NO_CHECKPOINT
+    # The deciding rule reports what was done; other rules under "warn" report too.
     for other, other_policy in firing:
-        if other_policy == "warn" or other is rule:
-            this_action = (
-                action if other is rule and policy == "fallback"
-                else "ran torch's checkpoint as asked (policy warn)"
-            )
-            _events.emit(other.id, other_policy, _action_name(outcome if other is rule else PROCEED), site, "call")
-            _warn(
-                build_message(other, site=site, transforms=transforms, variant=variant, action=this_action),
-                other,
-            )
+        if other is rule:
+            event, action = _OUTCOME_TEXT[outcome]
+        elif other_policy == "warn":
+            event, action = _OUTCOME_TEXT[PROCEED]
+        else:
+            continue
+        _events.emit(other.id, other_policy, event, site, "call")
+        _warn(build_message(other, site=site, transforms=transforms, variant=variant, action=action), other)
     return outcome
 
 
-def _action_name(outcome: str) -> str:
-    return {
-        PROCEED: "warned",
-        NON_REENTRANT_INSTEAD: "fallback: use_reentrant=False",
-        NO_CHECKPOINT: "fallback: no checkpoint",
-    }[outcome]
+# outcome -> (event action, message action)
+_OUTCOME_TEXT = {
+    PROCEED: ("warned", "ran torch's checkpoint as asked (policy warn)"),
+    NON_REENTRANT_INSTEAD: ("fallback: use_reentrant=False", "ran it with use_reentrant=False instead (policy fallback)"),
+    NO_CHECKPOINT: ("fallback: no checkpoint", "ran it without checkpointing instead (policy fallback)"),
+}
 
 
 # --------------------------------------------------------------------------
