@@ -238,8 +238,8 @@ _CALL_RULES = [
         variants=(NON_REENTRANT,),
         trigger=(
             "checkpoint(use_reentrant=False) under vmap (and no grad transform) with grad enabled "
-            "while its inputs or the parameters inside require grad: a later .backward() outside "
-            "the vmap must recompute a vmapped function outside the vmap"
+            "while its inputs or the parameters inside (of modules in training mode) require grad: "
+            "a later .backward() outside the vmap must recompute a vmapped function outside the vmap"
         ),
         symptom=(
             "raises at backward: RuntimeError: Either your tensor may have escaped from inside a "
@@ -327,8 +327,9 @@ _CALL_RULES = [
         variants=(REENTRANT,),
         trigger=(
             "checkpoint(use_reentrant=True, or not passed) with grad enabled, no tensor input "
-            "requiring grad, and parameters inside the function (an nn.Module, its bound method, a "
-            "functools.partial or closure holding one) that do"
+            "requiring grad, and parameters inside the function (an nn.Module in training mode, its "
+            "bound method, a functools.partial or closure holding one, checkpoint_sequential's "
+            "segments) that do"
         ),
         symptom=(
             "silently wrong gradients: torch only warns 'None of the inputs have "

@@ -272,7 +272,8 @@ def owning_modules(function: object) -> list[Module]:
     """The modules whose parameters ``function`` uses, as far as we can see.
 
     Covers an ``nn.Module``, a bound method of one, a ``functools.partial``
-    holding either, and modules captured one closure level deep.
+    holding either, and modules captured one closure level deep, alone or in
+    a list or tuple (``checkpoint_sequential`` passes a closure over a list).
     """
     found: list[Module] = []
     todo = [function]
@@ -293,15 +294,25 @@ def owning_modules(function: object) -> list[Module]:
         elif getattr(obj, "__closure__", None) and obj is function:
             for cell in obj.__closure__:  # type: ignore[union-attr]
                 try:
-                    todo.append(cell.cell_contents)
+                    value = cell.cell_contents
                 except ValueError:  # empty cell
-                    pass
+                    continue
+                if isinstance(value, (list, tuple)):
+                    todo.extend(v for v in value if isinstance(v, Module))
+                else:
+                    todo.append(value)
     return found
 
 
-def _params_of(function: object) -> Iterator[Tensor]:
+def _trained_params_of(function: object) -> Iterator[Tensor]:
+    """Parameters ``function`` may train: of its modules in training mode, and captured tensors.
+
+    A module in eval mode is being used for inference, so its parameters do
+    not make a call-time rule (CKG003, CKG006) fire.
+    """
     for module in owning_modules(function):
-        yield from module.parameters()
+        if module.training:
+            yield from module.parameters()
     for cell in getattr(function, "__closure__", None) or ():
         try:
             value = cell.cell_contents
@@ -323,7 +334,7 @@ class CallState:
     transforms: tuple[tuple[str, int], ...]
     grad_enabled: bool
     forward_ad_active: bool
-    dual_inputs: bool
+    dual_inputs: bool  # only looked at outside torch.func transforms (CKG002 decides there)
     saved_tensor_hooks_enabled: bool
     inputs_require_grad: bool
     params_require_grad: bool
@@ -335,14 +346,16 @@ class CallState:
 
 def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState:
     tensors = [a for a in args if isinstance(a, Tensor)]
-    params = list(_params_of(function))
+    params = list(_trained_params_of(function))
+    transforms = transform_stack()
     forward_ad_active = forward_ad._current_level >= 0
     return CallState(
         reentrant=reentrant,
-        transforms=transform_stack(),
+        transforms=transforms,
         grad_enabled=is_grad_enabled(),
         forward_ad_active=forward_ad_active,
-        dual_inputs=forward_ad_active and any(_is_dual(t) for t in tensors + params),
+        # unpack_dual has no batching rule: never ask a functorch-wrapped tensor
+        dual_inputs=forward_ad_active and not transforms and any(_is_dual(t) for t in tensors + params),
         saved_tensor_hooks_enabled=saved_tensor_hooks_enabled(),
         inputs_require_grad=any(requires_grad_anywhere(t) for t in tensors),
         params_require_grad=any(requires_grad_anywhere(p) for p in params),
