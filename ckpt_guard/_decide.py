@@ -1,6 +1,6 @@
 """Decisions: given what a rule found, what the policy in force makes of it.
 
-``decide_call`` runs at checkpoint call time, ``recompute_guard`` when a
+``prepare_call`` runs at checkpoint call time, ``_checked_call`` when a
 recompute starts.  Both return quietly when nothing fires; everything else
 here (finding the user's call site, telling whether ``use_reentrant`` was
 defaulted, writing the message, recording the event) runs only when a rule
@@ -319,20 +319,50 @@ def _describe_forward_site(site: tuple) -> str:
     return _format_site(code, line)
 
 
-def recompute_guard(
-    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, modes_managed: bool = False
-) -> Any:
-    """``function``, checked against ``forward_state`` before every recompute.
+STEP_ASIDE = "step-aside"  # run torch's checkpoint exactly as asked, unguarded
 
-    ``modes_managed``: the caller passed its own ``context_fn``, which sets up
-    the recompute's environment itself, so mode differences are its business.
+_current_config = _config.current
+_is_compiling = _state.is_compiling
+_call_is_quiet = _state.call_is_quiet
+_noop_context_fn = getattr(sys.modules["torch.utils.checkpoint"], "noop_context_fn", None)
 
-    Everything the check needs travels with the returned callable: the
-    recompute may run on an autograd worker thread, which inherits neither
-    ``threading.local`` nor ``contextvars``.  A ``functools.partial`` carries
-    it: one C object, no per-call closure cells or mutable state.
+
+def prepare_call(reentrant: bool, function: Any, args: tuple, first_input: int, context_fn: Any = None) -> Any:
+    """Everything the guard does when ``checkpoint`` is called, for both variants.
+
+    Returns ``STEP_ASIDE``, ``NO_CHECKPOINT``, ``NON_REENTRANT_INSTEAD``, or the
+    function to hand torch instead of ``function``: the same function, checked
+    against the state captured here before every recompute.  ``args[first_input:]``
+    are the inputs; ``context_fn`` is the non-reentrant variant's (or None).
+
+    This runs on every checkpoint call (about 3 µs of guard time per call on
+    this project's machine, measured by ``benchmarks/overhead.py``), so the
+    quiet case is one straight line through builtin queries.
     """
-    return _partial(_checked_call, function, reentrant, config, forward_state, forward_site(), modes_managed)
+    config = _current_config()
+    if not config.active or _is_compiling():
+        return STEP_ASIDE
+    grad = _is_grad_enabled()
+    if not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
+        outcome = decide_call(reentrant, function, args[first_input:], config)
+        if outcome != PROCEED:
+            return outcome
+    if not grad:
+        return STEP_ASIDE  # nothing will be recomputed
+    forward_state = capture()
+    if config.may_fall_back and risk_visible(forward_state):
+        if anticipate(config, forward_state, reentrant, function) != PROCEED:
+            return NO_CHECKPOINT
+    modes_managed = (
+        context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
+    )
+    site = forward_site()
+    return _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed)
+
+
+def _is_user_context_fn(context_fn: Any) -> bool:
+    """A ``context_fn`` the user chose: not the composable API's own."""
+    return getattr(context_fn, "__module__", "") != "torch.distributed._composable.checkpoint_activation"
 
 
 def _checked_call(

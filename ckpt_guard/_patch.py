@@ -104,91 +104,44 @@ def _no_checkpoint_generator():
     yield
 
 
-def _is_user_context_fn(context_fn: Any) -> bool:
-    """A ``context_fn`` the user chose: not the composable API's own (slow path)."""
-    return getattr(context_fn, "__module__", "") != "torch.distributed._composable.checkpoint_activation"
-
-
 def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
-    from . import _decide, _state
+    from . import _decide
 
     n_fixed = _count_fixed_params(original)
-    import torch.utils.checkpoint as tuc
-
-    noop_context_fn = getattr(tuc, "noop_context_fn", None)
-    names = list(inspect.signature(original).parameters)
-    context_index = names.index("context_fn") if "context_fn" in names[:n_fixed] else None
-    current_config = _config.current
-    call_is_quiet = _state.call_is_quiet
-    is_compiling = _state.is_compiling
-    is_grad_enabled = _state.is_grad_enabled
-    capture, risk_visible, anticipate = _decide.capture, _decide.risk_visible, _decide.anticipate
-    recompute_guard, PROCEED = _decide.recompute_guard, _decide.PROCEED
+    names = list(inspect.signature(original).parameters)[:n_fixed]
+    context_index = names.index("context_fn") if "context_fn" in names else None
+    prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
 
     def _checkpoint_without_reentrant_generator(*args: Any, **kwargs: Any):
-        config = current_config()
-        if not config.active or is_compiling():
+        context_fn = args[context_index] if context_index is not None and len(args) > context_index else None
+        decision = prepare(False, args[0], args, n_fixed, context_fn)
+        if decision is STEP_ASIDE:
             return original(*args, **kwargs)
-        function = args[0]
-        if not call_is_quiet(False, ()):  # the non-reentrant check does not look at the inputs
-            if _decide.decide_call(False, function, args[n_fixed:], config) != PROCEED:
-                return _no_checkpoint_generator()
-        if not is_grad_enabled():
-            return original(*args, **kwargs)  # nothing will be recomputed
-        forward_state = capture()
-        if (
-            config.may_fall_back
-            and risk_visible(forward_state)
-            and anticipate(config, forward_state, False, function) != PROCEED
-        ):
+        if decision is NO_CHECKPOINT:
             return _no_checkpoint_generator()
-        modes_managed = (
-            context_index is not None
-            and len(args) > context_index
-            and args[context_index] is not noop_context_fn
-            and _is_user_context_fn(args[context_index])
-        )
-        guarded = recompute_guard(function, False, config, forward_state, modes_managed)
-        return original(guarded, *args[1:], **kwargs)
+        return original(decision, *args[1:], **kwargs)
 
     _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
     return _checkpoint_without_reentrant_generator
 
 
 def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
-    from . import _decide, _state
+    from . import _decide
 
-    current_config = _config.current
-    call_is_quiet = _state.call_is_quiet
-    is_compiling = _state.is_compiling
-    is_grad_enabled = _state.is_grad_enabled
-    capture, risk_visible, anticipate = _decide.capture, _decide.risk_visible, _decide.anticipate
-    recompute_guard, PROCEED = _decide.recompute_guard, _decide.PROCEED
+    prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
+    NON_REENTRANT_INSTEAD = _decide.NON_REENTRANT_INSTEAD
 
     def apply(cls, function, preserve_rng_state, *args):
-        config = current_config()
-        if not config.active or is_compiling():
+        decision = prepare(True, function, args, 0)
+        if decision is STEP_ASIDE:
             return raw_apply(cls, function, preserve_rng_state, *args)
-        if not call_is_quiet(True, args):
-            outcome = _decide.decide_call(True, function, args, config)
-            if outcome == _decide.NO_CHECKPOINT:
-                return function(*args)
-            if outcome == _decide.NON_REENTRANT_INSTEAD:
-                import torch.utils.checkpoint as tuc
-
-                return tuc.checkpoint(
-                    function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
-                )
-        if not is_grad_enabled():
-            return raw_apply(cls, function, preserve_rng_state, *args)
-        forward_state = capture()
-        if (
-            config.may_fall_back
-            and risk_visible(forward_state)
-            and anticipate(config, forward_state, True, function) != PROCEED
-        ):
+        if decision is NO_CHECKPOINT:
             return function(*args)
-        return raw_apply(cls, recompute_guard(function, True, config, forward_state), preserve_rng_state, *args)
+        if decision is NON_REENTRANT_INSTEAD:
+            import torch.utils.checkpoint as tuc
+
+            return tuc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        return raw_apply(cls, decision, preserve_rng_state, *args)
 
     apply.__ckpt_guard_original__ = raw_apply  # type: ignore[attr-defined]
     return classmethod(apply)

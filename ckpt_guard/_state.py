@@ -362,21 +362,22 @@ def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState
     )
 
 
-def call_is_quiet(reentrant: bool, args: tuple) -> bool:
+def call_is_quiet(reentrant: bool, inputs: tuple, grad_enabled: bool) -> bool:
     """True when no call-time rule can fire: the fast path of every call.
 
     A rule that reads new state must make this return False when that state is
-    unusual (see the rule's ``quiet`` note in ``_rules.py``).
+    unusual.  Only builtin queries here; the non-reentrant variant never looks
+    at the inputs.
     """
     if peek_interpreter_stack() is not None:
         return False
-    if reentrant:
-        if forward_ad._current_level >= 0:
-            return False
-        if is_grad_enabled():
-            for a in args:
-                if isinstance(a, Tensor) and a.requires_grad:
-                    return True
-            return False  # CKG006 needs a look at the parameters
-        return True
-    return saved_tensor_hooks_enabled() or not is_grad_enabled()
+    if not reentrant:
+        return not grad_enabled or saved_tensor_hooks_enabled()
+    if forward_ad._current_level >= 0:
+        return False
+    if grad_enabled:
+        for a in inputs:
+            if isinstance(a, Tensor) and a.requires_grad:
+                return True
+        return False  # CKG006 needs a look at the parameters
+    return True
