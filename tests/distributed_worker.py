@@ -277,9 +277,16 @@ def scenario_refuse(rank: int, world: int) -> dict:
     finally:
         ckpt_guard.uninstall()
 
-    # Gather every rank's refusal so each rank can check agreement itself.
-    gathered = [None] * world
-    dist.all_gather_object(gathered, [record["refused_step"], record["rule_id"]])
+    # Gather every rank's refusal so each rank can check agreement itself.  Plain
+    # int tensors: all_gather_object needs numpy, which the test set-up lacks.
+    rule_ids = [r.id for r in ckpt_guard.rules()]
+    mine = torch.tensor([
+        -1 if record["refused_step"] is None else record["refused_step"],
+        rule_ids.index(record["rule_id"]) if record["rule_id"] in rule_ids else -1,
+    ])
+    parts = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    gathered = [[int(p[0]), rule_ids[int(p[1])] if int(p[1]) >= 0 else None] for p in parts]
     record["all_ranks"] = gathered
     record["ok"] = (
         record["refused_step"] == 2
