@@ -239,7 +239,9 @@ _DRIFT_RENDERERS = tuple(getattr(_state, rule.render) for rule in DRIFT_RULES)
 
 
 def _compile_capture(readers: tuple) -> Any:
-    """``lambda: (read0(), read1(), ...)`` as one generated expression.
+    """``lambda function: (read0(), read1(function), ...)`` as one generated expression.
+
+    A reader marked ``takes_function`` is given the checkpointed function.
 
     A reader with an ``active`` attribute (a builtin query that is falsy when
     nothing is active, see ``_state``) is only called when that query says so,
@@ -250,16 +252,19 @@ def _compile_capture(readers: tuple) -> Any:
     parts = []
     for i, read in enumerate(readers):
         namespace[f"read{i}"] = read
+        call = f"read{i}(function)" if getattr(read, "takes_function", False) else f"read{i}()"
         if hasattr(read, "active"):
             namespace[f"active{i}"] = read.active
-            parts.append(f"(read{i}() if active{i}() else ())")
+            parts.append(f"({call} if active{i}() else ())")
         else:
-            parts.append(f"read{i}()")
-    exec(f"def capture():\n    return ({', '.join(parts)},)\n", namespace)  # noqa: S102 - generated from the table
+            parts.append(call)
+    source = f"def capture(function):\n    return ({', '.join(parts)},)\n"
+    exec(source, namespace)  # noqa: S102 - generated from the rule table
     return namespace["capture"]
 
 
-#: The recompute-relevant state, one value per drift rule, in DRIFT_RULES order.
+#: ``capture(function)``: the recompute-relevant state, one value per drift
+#: rule, in DRIFT_RULES order.
 capture = _compile_capture(_DRIFT_READERS)
 
 # Drift whose risk is visible at call time (a value that is empty when nothing
@@ -349,7 +354,7 @@ def prepare_call(reentrant: bool, function: Any, args: tuple, first_input: int, 
             return outcome
     if not grad:
         return STEP_ASIDE  # nothing will be recomputed
-    forward_state = capture()
+    forward_state = capture(function)
     if config.may_fall_back and risk_visible(forward_state):
         if anticipate(config, forward_state, reentrant, function) != PROCEED:
             return NO_CHECKPOINT
@@ -376,7 +381,7 @@ def _checked_call(
     always under ``no_grad``, while its recompute runs under ``enable_grad``.
     """
     if not reentrant or _is_grad_enabled():
-        state = capture()
+        state = capture(function)
         if state != forward_state:
             report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
     return function(*args, **kwargs)

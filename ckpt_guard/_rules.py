@@ -455,6 +455,20 @@ def _probe_default_dtype(ckpt, use_reentrant):
     return [y.detach(), *_grads(x)]
 
 
+def _probe_train_eval_flip(ckpt, use_reentrant):
+    """A checkpointed block with dropout; model.eval() runs between the forward and .backward()."""
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(1)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    block.eval()  # e.g. an evaluation hook between the forward and the backward
+    y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
 _DRIFT_FALLBACK = (
     "runs the function without checkpointing whenever this risk is visible at call time; "
     "a drift first seen at recompute is raised as under strict (nothing can repair it then)"
@@ -594,7 +608,35 @@ _DRIFT_RULES = [
         read="default_dtype",
         render="describe_dtype",
     ),
+    Rule(
+        id="CKG106",
+        title="checkpointed module switched between train and eval mode before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "the checkpointed function is an nn.Module (or its bound method, as with "
+            "checkpoint_wrapper and the composable API) whose .training flag at recompute "
+            "differs from the forward's, e.g. model.eval() between forward and .backward()"
+        ),
+        symptom=(
+            "reentrant: returns silently wrong gradients (the recompute runs dropout / batch "
+            "norm in the other mode); non-reentrant: raises CheckpointError (a different "
+            "number of tensors was saved)"
+        ),
+        symptom_kind="silently wrong",
+        symptom_by_variant=((NON_REENTRANT, "raises"),),
+        raises_match=r"different number of tensors was saved",
+        remedy="run .backward() before switching modes (model.eval() / model.train())",
+        fallback=_DRIFT_FALLBACK,
+        # No upstream thread on this one; the closest: which state the recompute restores.
+        refs=("https://github.com/pytorch/pytorch/pull/71169",),
+        torch_versions="all; measured on 2.13",
+        probe=_probe_train_eval_flip,
+        read="module_training",
+        render="describe_training",
+    ),
 ]
+
 
 RULES: tuple[Rule, ...] = tuple(_CALL_RULES + _DRIFT_RULES)
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)

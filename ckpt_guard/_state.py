@@ -255,6 +255,32 @@ def describe_dtype(dtype: torch.dtype) -> str:
 
 
 # --------------------------------------------------------------------------
+# train / eval mode of the checkpointed module
+
+_MethodType = type(Module().train)
+
+
+def module_training(function: object) -> Optional[bool]:
+    """``training`` of the module being checkpointed (itself, or behind a bound method).
+
+    ``None`` for other functions: a closure's modules are not looked for on
+    every call (that costs microseconds).
+    """
+    if isinstance(function, Module):
+        return function.training
+    if type(function) is _MethodType and isinstance(function.__self__, Module):
+        return function.__self__.training
+    return None
+
+
+module_training.takes_function = True  # type: ignore[attr-defined]
+
+
+def describe_training(training: Optional[bool]) -> str:
+    return {True: "train mode", False: "eval mode", None: "not a module"}[training]
+
+
+# --------------------------------------------------------------------------
 # inputs and parameters
 
 
