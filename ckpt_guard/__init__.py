@@ -9,24 +9,29 @@ Policies: ``strict`` raises :class:`CheckpointCompositionError`, ``warn`` emits
 :class:`CheckpointCompositionWarning` and does what torch would, ``fallback``
 warns and runs the safest correct alternative, ``off`` does nothing.
 
-Importing this package does not import torch.
+Importing this package imports neither torch nor the guard's machinery: the
+pytest plugin (a submodule, auto-loaded in every pytest session) runs this
+file, so everything beyond the two exception classes is imported on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Mapping, Optional, Union
+import sys
+from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Union
 
-from . import _config, _patch
-from ._events import Event, record
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
-from ._rules import RULES, Rule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._events import Event
+    from ._rules import Rule
 
 __all__ = [
     "CheckpointCompositionError",
     "CheckpointCompositionWarning",
     "Event",
     "Rule",
+    "current_config",
     "install",
     "is_installed",
     "policy",
@@ -50,16 +55,21 @@ def install(policy: Optional[str] = None, *, rules: RulesArg = None) -> None:
     before ``import torch``: patching then happens once torch is imported.
     Raises ``ValueError`` for a bad configuration.
     """
+    from . import _config, _patch
+
     _patch.install(_config.build_config(policy, rules, read_env=True))
 
 
 def uninstall() -> None:
     """Put back everything ``install()`` replaced.  Safe to call twice."""
-    _patch.uninstall()
+    patch = sys.modules.get(f"{__name__}._patch")
+    if patch is not None:  # never imported: nothing was ever installed
+        patch.uninstall()
 
 
 def is_installed() -> bool:
-    return _patch.is_installed()
+    patch = sys.modules.get(f"{__name__}._patch")
+    return patch is not None and patch.is_installed()
 
 
 @contextlib.contextmanager
@@ -70,6 +80,8 @@ def policy(policy: str, *, rules: RulesArg = None) -> Iterator[None]:
     per-rule overrides do not leak in) and is private to the current thread /
     asyncio task.  It has an effect only while the guard is installed.
     """
+    from . import _config
+
     token = _config.push_scope(_config.build_config(policy, rules, read_env=False))
     try:
         yield
@@ -77,11 +89,35 @@ def policy(policy: str, *, rules: RulesArg = None) -> Iterator[None]:
         _config.pop_scope(token)
 
 
-def rules() -> tuple[Rule, ...]:
+def rules() -> "tuple[Rule, ...]":
     """The rule table, in the order rules are evaluated."""
+    from ._rules import RULES
+
     return RULES
+
+
+def record() -> "contextlib.AbstractContextManager[List[Event]]":
+    """``with ckpt_guard.record() as events:`` collects every decision the guard makes."""
+    from ._events import record as _record
+
+    return _record()
 
 
 def current_config() -> str:
     """The configuration in force here, e.g. ``"strict (rules: CKG003=warn)"``."""
+    from . import _config
+
     return _config.current().describe()
+
+
+def __getattr__(name: str) -> Any:
+    """``ckpt_guard.Event`` and ``ckpt_guard.Rule``, imported on first use."""
+    if name == "Event":
+        from ._events import Event
+
+        return Event
+    if name == "Rule":
+        from ._rules import Rule
+
+        return Rule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -228,6 +228,7 @@ def test_not_enabled_imports_no_torch_and_installs_nothing(pytester, monkeypatch
         def test_nothing_loaded():
             assert "torch" not in sys.modules
             assert "wrapt" not in sys.modules  # needed only to install before torch
+            assert "ckpt_guard._patch" not in sys.modules  # nor the patching machinery
             guard = sys.modules.get("ckpt_guard")
             assert guard is None or not guard.is_installed()
         """
