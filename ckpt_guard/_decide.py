@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from functools import partial as _partial
 from dataclasses import replace
+from functools import partial as _partial
 from types import FrameType
 from typing import Any, Optional
+
+import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _config, _events, _state
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
@@ -329,7 +331,7 @@ STEP_ASIDE = "step-aside"  # run torch's checkpoint exactly as asked, unguarded
 _current_config = _config.current
 _is_compiling = _state.is_compiling
 _call_is_quiet = _state.call_is_quiet
-_noop_context_fn = getattr(sys.modules["torch.utils.checkpoint"], "noop_context_fn", None)
+_noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 
 
 def prepare_call(reentrant: bool, function: Any, args: tuple, first_input: int, context_fn: Any = None) -> Any:
