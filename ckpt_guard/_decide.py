@@ -17,11 +17,12 @@ from functools import partial as _partial
 from types import FrameType
 from typing import Any, Optional
 
+import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _config, _events, _state
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
-from ._rules import CALL_RULES, DRIFT_RULES, NON_REENTRANT, REENTRANT, Rule
+from ._rules import CALL_RULES, DRIFT_RULES, NON_REENTRANT, REENTRANT, RNG_RULE as _RNG_RULE, Rule
 
 # What a call-time decision asks the patch point to do.
 PROCEED = "proceed"  # run torch's checkpoint as asked
@@ -29,6 +30,7 @@ NON_REENTRANT_INSTEAD = "non-reentrant"  # fallback: use_reentrant=False instead
 NO_CHECKPOINT = "no-checkpoint"  # fallback: run the function without checkpointing
 
 _SEVERITY = _config.SEVERITY
+_get_rng_state = _torch.get_rng_state
 _is_grad_enabled = _state.is_grad_enabled
 
 # --------------------------------------------------------------------------
@@ -334,13 +336,31 @@ _call_is_quiet = _state.call_is_quiet
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 
 
-def prepare_call(reentrant: bool, function: Any, args: tuple, first_input: int, context_fn: Any = None) -> Any:
+class RngWatch:
+    """Returned by :func:`prepare_call` for ``preserve_rng_state=False`` (CKG107).
+
+    The patch point hands torch ``function``, with ``preserve_rng_state`` (True
+    under fallback: the safe alternative), and records in ``drew[0]`` whether
+    the forward advanced the CPU RNG.
+    """
+
+    __slots__ = ("function", "preserve_rng_state", "drew")
+
+    def __init__(self, function: Any, preserve_rng_state: bool, drew: list) -> None:
+        self.function, self.preserve_rng_state, self.drew = function, preserve_rng_state, drew
+
+
+def prepare_call(
+    reentrant: bool, function: Any, args: tuple, first_input: int, context_fn: Any = None,
+    preserve_rng_state: bool = True,
+) -> Any:
     """Everything the guard does when ``checkpoint`` is called, for both variants.
 
-    Returns ``STEP_ASIDE``, ``NO_CHECKPOINT``, ``NON_REENTRANT_INSTEAD``, or the
-    function to hand torch instead of ``function``: the same function, checked
-    against the state captured here before every recompute.  ``args[first_input:]``
-    are the inputs; ``context_fn`` is the non-reentrant variant's (or None).
+    Returns ``STEP_ASIDE``, ``NO_CHECKPOINT``, ``NON_REENTRANT_INSTEAD``, an
+    :class:`RngWatch`, or the function to hand torch instead of ``function``:
+    the same function, checked against the state captured here before every
+    recompute.  ``args[first_input:]`` are the inputs; ``context_fn`` is the
+    non-reentrant variant's (or None).
 
     This runs on every checkpoint call (about 3 µs of guard time per call on
     this project's machine, measured by ``benchmarks/overhead.py``), so the
@@ -364,7 +384,11 @@ def prepare_call(reentrant: bool, function: Any, args: tuple, first_input: int, 
         context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
     )
     site = forward_site()
-    return _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed)
+    if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off":
+        drew = [False]
+        guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew)
+        return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew)
+    return _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, None)
 
 
 def _is_user_context_fn(context_fn: Any) -> bool:
@@ -374,19 +398,29 @@ def _is_user_context_fn(context_fn: Any) -> bool:
 
 def _checked_call(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
-    modes_managed: bool, /, *args: Any, **kwargs: Any,
+    modes_managed: bool, drew: Optional[list], /, *args: Any, **kwargs: Any,
 ) -> Any:
     """Call ``function``; first compare the state with the forward's if this is a recompute.
 
     The non-reentrant variant calls the function it was given only to
     recompute.  The reentrant variant also runs the forward through it, but
     always under ``no_grad``, while its recompute runs under ``enable_grad``.
+    ``drew`` (``preserve_rng_state=False`` only) records whether the forward
+    drew random numbers; the non-reentrant forward is watched by ``_patch``.
     """
     if not reentrant or _is_grad_enabled():
         state = capture(function)
         if state != forward_state:
             report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
-    return function(*args, **kwargs)
+        if drew is not None and drew[0]:
+            report_unpreserved_rng(reentrant, config, forward_state, site)
+        return function(*args, **kwargs)
+    if drew is None:
+        return function(*args, **kwargs)
+    before = _get_rng_state()  # the reentrant forward, preserve_rng_state=False
+    result = function(*args, **kwargs)
+    drew[0] = not _torch.equal(before, _get_rng_state())
+    return result
 
 
 def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:
@@ -418,21 +452,38 @@ def report_drift(
     variant = describe_variant(reentrant, None)
     for index in changed:
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
-        policy = config.policy_for(rule.id)
-        details = dict(
+        _report_at_recompute(
+            rule, config.policy_for(rule.id), forward_site_text,
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, change=f"{render(was)} → {render(now)}",
         )
-        if policy == "warn":
-            _events.emit(rule.id, policy, "warned", forward_site_text, "recompute")
-            _warn(build_message(rule, action="recomputing as torch would (policy warn)", **details), rule)
-            continue
-        unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
-        message = build_message(
-            rule, action=f"raised before the recompute ran (policy {policy}{unforeseen})", **details
-        )
-        _events.emit(rule.id, policy, "raised", forward_site_text, "recompute")
-        raise CheckpointCompositionError(message, rule)
+
+
+def report_unpreserved_rng(reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple) -> None:
+    """CKG107: the forward drew random numbers with ``preserve_rng_state=False``."""
+    forward_site_text = _describe_forward_site(site)
+    site_frame, _ = user_frame(sys._getframe(1))
+    _report_at_recompute(
+        _RNG_RULE, config.policy_for(_RNG_RULE.id), forward_site_text,
+        repaired="recomputing with the forward's RNG state, which it preserved (policy fallback)",
+        site=describe_site(site_frame), forward_site=forward_site_text,
+        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+        variant=describe_variant(reentrant, None),
+        change="the forward drew random numbers; preserve_rng_state=False lets the recompute draw new ones",
+    )
+
+
+def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repaired: str = "", **details: str) -> None:
+    """Warn, or raise before the recompute runs; ``repaired``: what fallback already did about it."""
+    if policy == "warn" or (policy == "fallback" and repaired):
+        action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
+        _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, "recompute")
+        _warn(build_message(rule, action=action, **details), rule)
+        return
+    unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
+    message = build_message(rule, action=f"raised before the recompute ran (policy {policy}{unforeseen})", **details)
+    _events.emit(rule.id, policy, "raised", forward_site_text, "recompute")
+    raise CheckpointCompositionError(message, rule)
 
 
 def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:

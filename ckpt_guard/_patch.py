@@ -104,6 +104,29 @@ def _no_checkpoint_generator():
     yield
 
 
+def _watch_forward_rng(inner: Any, drew: list):
+    """torch's generator, plus: did the forward (run between its two steps) draw random numbers?
+
+    Same protocol as torch's: ``next`` before the forward, ``next`` after it
+    (ending the generator), ``throw`` if the forward raised.
+    """
+    import torch
+
+    value = next(inner)
+    before = torch.get_rng_state()
+    try:
+        yield value
+    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
+        try:
+            value = inner.throw(exc)
+        except StopIteration:
+            return
+        yield value
+        return
+    drew[0] = not torch.equal(before, torch.get_rng_state())
+    yield from inner
+
+
 def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     from . import _decide
 
@@ -111,14 +134,19 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     names = list(inspect.signature(original).parameters)[:n_fixed]
     context_index = names.index("context_fn") if "context_fn" in names else None
     prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
+    RngWatch = _decide.RngWatch
 
     def _checkpoint_without_reentrant_generator(*args: Any, **kwargs: Any):
         context_fn = args[context_index] if context_index is not None and len(args) > context_index else None
-        decision = prepare(False, args[0], args, n_fixed, context_fn)
+        preserve = args[1] if len(args) > 1 else True
+        decision = prepare(False, args[0], args, n_fixed, context_fn, preserve)
         if decision is STEP_ASIDE:
             return original(*args, **kwargs)
         if decision is NO_CHECKPOINT:
             return _no_checkpoint_generator()
+        if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
+            inner = original(decision.function, decision.preserve_rng_state, *args[2:], **kwargs)
+            return _watch_forward_rng(inner, decision.drew)
         return original(decision, *args[1:], **kwargs)
 
     _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
@@ -131,8 +159,12 @@ def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
     prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
     NON_REENTRANT_INSTEAD = _decide.NON_REENTRANT_INSTEAD
 
+    RngWatch = _decide.RngWatch
+
     def apply(cls, function, preserve_rng_state, *args):
-        decision = prepare(True, function, args, 0)
+        decision = prepare(True, function, args, 0, None, preserve_rng_state)
+        if type(decision) is RngWatch:  # preserve_rng_state=False: the forward runs through it
+            return raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
         if decision is STEP_ASIDE:
             return raw_apply(cls, function, preserve_rng_state, *args)
         if decision is NO_CHECKPOINT:

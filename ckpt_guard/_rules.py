@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     from ._state import CallState
 
-__all__ = ["Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RULE_IDS", "rule_by_id"]
+__all__ = ["Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "RULE_IDS", "rule_by_id"]
 
 #: A probe runs one composition with the given checkpoint function and
 #: ``use_reentrant`` value (``None``: not passed) and returns tensors to compare.
@@ -638,8 +638,50 @@ _DRIFT_RULES = [
 ]
 
 
-RULES: tuple[Rule, ...] = tuple(_CALL_RULES + _DRIFT_RULES)
+def _probe_rng_not_preserved(ckpt, use_reentrant):
+    """A checkpointed block with dropout, called with preserve_rng_state=False."""
+    import torch
+    import torch.utils.checkpoint
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    x = torch.randn(4, 8, requires_grad=True)
+    # preserve_rng_state is a checkpoint option; the uncheckpointed reference has none
+    extra = {"preserve_rng_state": False} if ckpt is torch.utils.checkpoint.checkpoint else {}
+    torch.manual_seed(1)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant), **extra)
+    y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+# Not a state comparison like the drift rules: the forward itself is watched.
+RNG_RULE = Rule(
+    id="CKG107",
+    title="preserve_rng_state=False, but the checkpointed forward drew random numbers",
+    stage="recompute",
+    variants=(REENTRANT, NON_REENTRANT),
+    trigger=(
+        "checkpoint(..., preserve_rng_state=False) whose forward advanced the CPU random "
+        "number generator (dropout, torch.rand, ...): the recompute draws different numbers"
+    ),
+    symptom=(
+        "returns silently wrong gradients: the recompute uses a different dropout mask (or other "
+        "random values) than the forward did"
+    ),
+    symptom_kind="silently wrong",
+    remedy=(
+        "drop preserve_rng_state=False (the default True restores the RNG state for the "
+        "recompute), or keep random operations out of the checkpointed function"
+    ),
+    fallback="runs the checkpoint with preserve_rng_state=True (correct, keeps the memory saving)",
+    refs=("https://github.com/pytorch/pytorch/pull/71169",),
+    torch_versions="all; measured on 2.13 (CPU generator; CUDA generators are not watched)",
+    probe=_probe_rng_not_preserved,
+)
+
+RULES: tuple[Rule, ...] = tuple(_CALL_RULES + _DRIFT_RULES + [RNG_RULE])
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
+#: Recompute rules decided by comparing state captured in the forward and at recompute.
 DRIFT_RULES: tuple[Rule, ...] = tuple(_DRIFT_RULES)
 RULE_IDS: tuple[str, ...] = tuple(r.id for r in RULES)
 

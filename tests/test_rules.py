@@ -268,3 +268,38 @@ def test_per_rule_override_beats_base_policy():
         with pytest.raises(RuntimeError, match="saved tensor hooks") as info:
             torch.func.grad(loss)(torch.randn(3))
         assert not isinstance(info.value, CheckpointCompositionError)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_unpreserved_rng_without_randomness_is_quiet_and_bitwise(use_reentrant):
+    """CKG107 watches the forward; a deterministic block stays silent and unchanged."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        x.grad = None
+        block.zero_grad()
+        y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant, preserve_rng_state=False)
+        y.sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+
+    raw = run_raw(lambda ckpt, ur: step(), use_reentrant)
+    with warnings.catch_warnings(), ckpt_guard.record() as events:
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        guarded = step()
+    assert events == []
+    assert_all_equal(guarded, raw)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_user_exception_passes_through_the_rng_watch(use_reentrant):
+    class Boom(Exception):
+        pass
+
+    def block(t):
+        raise Boom("from the user's function")
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(Boom, match="from the user's function"):
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant, preserve_rng_state=False)
