@@ -35,6 +35,7 @@ be unregistered, so the hook checks whether the guard is still installed.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import threading
 import warnings
@@ -46,7 +47,7 @@ MIN_TORCH = (2, 4)
 
 _lock = threading.RLock()
 _installed = False
-_hook_registered = False
+_hooks_registered: set = set()
 # how to undo each patch currently applied, in the order applied
 _applied: List[Callable[[], None]] = []
 
@@ -291,6 +292,48 @@ def _patch_reparametrize() -> None:
     _applied.append(restore)
 
 
+# The guard's code that runs inside a checkpoint call.  Dynamo must never
+# trace it, just as it never traces torch's own checkpoint internals.
+_DYNAMO_SKIPPED_FILES = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    for name in ("_patch.py", "_decide.py", "_state.py", "_config.py", "_events.py")
+)
+_TRACE_RULES = "torch._dynamo.trace_rules"
+
+
+def _skip_in_dynamo(trace_rules: Any = None) -> None:
+    """Have dynamo skip the guard's files, as it skips torch's checkpoint generator.
+
+    Without this, dynamo inlines our patched generator where it reaches it
+    (the composable ``checkpoint(module)`` hooks under ``torch.compile``) and
+    fails on, or graph-breaks at, our bookkeeping instead of at torch's
+    generator: a different error, or a different graph, than without the
+    guard.  Runs now if dynamo is loaded, else when it is (importing it here
+    would cost a second).  ``FORCE_SKIP_FILES`` is private: if it is missing,
+    say so once and carry on.
+    """
+    with _lock:
+        if not _installed:
+            return
+        trace_rules = trace_rules or sys.modules.get(_TRACE_RULES)
+        if trace_rules is None:
+            _register_hook(_skip_in_dynamo, _TRACE_RULES)
+            return
+        skipped = getattr(trace_rules, "FORCE_SKIP_FILES", None)
+        if not isinstance(skipped, set):
+            warnings.warn(
+                f"ckpt_guard: torch._dynamo.trace_rules.FORCE_SKIP_FILES not found on torch "
+                f"{_torch_version()}; under torch.compile, dynamo may trace into the guard's code "
+                f"where it would stop at torch's checkpoint generator. Everything else is guarded.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        added = [name for name in _DYNAMO_SKIPPED_FILES if name not in skipped]
+        skipped.update(added)
+        _applied.append(lambda: skipped.difference_update(added))
+
+
 def _apply_patches() -> None:
     """Patch torch (which must be fully imported); idempotent."""
     with _lock:
@@ -301,6 +344,7 @@ def _apply_patches() -> None:
         check_torch_version(torch.__version__)
         _patch_checkpoint_module()
         _patch_reparametrize()
+        _skip_in_dynamo()
 
 
 def _on_torch_imported(module: Any) -> None:
@@ -311,8 +355,18 @@ def _on_torch_imported(module: Any) -> None:
         warnings.warn(f"{exc} The guard stays inactive.", RuntimeWarning, stacklevel=2)
 
 
+def _register_hook(hook: Callable[[Any], None], module_name: str) -> None:
+    """wrapt post-import hook, once per module name (hooks cannot be unregistered)."""
+    if module_name in _hooks_registered:
+        return
+    import wrapt
+
+    wrapt.register_post_import_hook(hook, module_name)
+    _hooks_registered.add(module_name)
+
+
 def install(config: _config.Config) -> None:
-    global _installed, _hook_registered
+    global _installed
     with _lock:
         _config.set_installed(config)
         if _installed:
@@ -328,11 +382,7 @@ def install(config: _config.Config) -> None:
                 raise
             return
         _installed = True
-        if not _hook_registered:
-            import wrapt
-
-            wrapt.register_post_import_hook(_on_torch_imported, "torch")
-            _hook_registered = True
+        _register_hook(_on_torch_imported, "torch")
 
 
 def _undo() -> None:

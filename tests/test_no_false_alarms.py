@@ -309,6 +309,71 @@ def test_torch_compile_keeps_tag_activation_checkpoint(strict_guard, fresh_dynam
     assert tagged, "dynamo did not produce the tag_activation_checkpoint higher-order op"
 
 
+def _composable_compile_outcome(fullgraph):
+    """What ``torch.compile`` makes of the composable ``checkpoint(module)``: values, or the error."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    composable_module.checkpoint(block)
+    x = torch.randn(2, 4, requires_grad=True)
+    compiled = torch.compile(lambda t: block(t).sin().sum(), backend="aot_eager", fullgraph=fullgraph)
+    try:
+        y = compiled(x)
+        y.backward()
+    except Exception as exc:  # noqa: BLE001 - the outcome under comparison
+        return type(exc), str(exc).splitlines()[0]
+    return [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks-allowed"])
+def test_composable_checkpoint_under_compile_same_outcome_as_torch(fresh_dynamo, fullgraph):
+    """Dynamo skips the guard's code as it skips torch's generator: same error, or same values.
+
+    On torch 2.13 dynamo refuses to trace the composable API's generator
+    ("marked as skipped"); without the skip it traced into the guard and
+    failed on ``ContextVar.get`` instead.
+    """
+    ckpt_guard.uninstall()
+    raw = _composable_compile_outcome(fullgraph)
+    ckpt_guard.install("strict")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own graph-break warnings
+            guarded = _composable_compile_outcome(fullgraph)
+    finally:
+        ckpt_guard.uninstall()
+    if isinstance(raw, tuple):
+        assert isinstance(guarded, tuple), f"raw torch raised {raw}, guarded returned values"
+        assert guarded[0] is raw[0]
+        if "marked as skipped" in raw[1]:
+            assert "marked as skipped" in guarded[1], guarded[1]
+    else:
+        assert not isinstance(guarded, tuple), f"guarded raised {guarded}, raw torch did not"
+        for g, r in zip(guarded, raw):
+            assert torch.equal(g, r)
+
+
+def test_dynamo_skips_the_guard_from_install_to_uninstall():
+    """Also when dynamo is first imported after install(): it is not loaded by ``import torch``."""
+    code = textwrap.dedent(
+        """
+        import sys, torch, ckpt_guard
+        from ckpt_guard import _patch
+        assert "torch._dynamo.trace_rules" not in sys.modules, "test premise: dynamo not loaded yet"
+        ckpt_guard.install("strict")
+        import torch._dynamo.trace_rules as trace_rules
+        assert set(_patch._DYNAMO_SKIPPED_FILES) <= trace_rules.FORCE_SKIP_FILES
+        assert trace_rules.check_file(_patch.__file__).skipped
+        ckpt_guard.uninstall()
+        assert not set(_patch._DYNAMO_SKIPPED_FILES) & trace_rules.FORCE_SKIP_FILES
+        ckpt_guard.install("strict")
+        assert set(_patch._DYNAMO_SKIPPED_FILES) <= trace_rules.FORCE_SKIP_FILES
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 # --------------------------------------------------------------------------
 # uninstall after a late import of the composable API
 
