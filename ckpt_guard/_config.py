@@ -156,6 +156,10 @@ _scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 )
 
 
+#: ``scoped_config()``: the scoped configuration, or None (the hot path's half of ``current()``).
+scoped_config = _scoped.get
+
+
 def set_installed(config: Config) -> None:
     global _installed
     _installed = config

@@ -283,36 +283,24 @@ _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
 
-# Where the user's frame sat last time, as (depth from forward_site, code of
-# the library frame just below it): the usual call chain has a fixed shape
-# (checkpoint and torch's decorator frames), so one lookup usually finds it.
-_learned_site: list = [0, None]
+# Where the user's frame sat on the last walk: (depth from prepare_call, its
+# code); replaced whole, so threads read a consistent pair.  The usual call
+# chain has a fixed shape (checkpoint and torch's decorator frames), so one
+# lookup usually finds the same function there again.  Only recursion (the
+# same function again, further up, with a shorter chain below it) could fool
+# it, and then the line named would still be in the right function.
+_learned_site: tuple = (1, None)
 
 
-def forward_site() -> tuple:
-    """Cheap forward-time record of the user's call site: ``(code, f_lasti)``.
-
-    Walking the stack frame by frame costs ~3 µs on every checkpoint call, so
-    the depth of the last walk is remembered and checked first (~0.5 µs); the
-    line number is worked out from ``f_lasti`` only if a message needs it.
-    """
-    depth, below_code = _learned_site
-    if below_code is not None:
-        try:
-            below: Optional[FrameType] = sys._getframe(depth)
-        except ValueError:
-            below = None
-        if below is not None and below.f_code is below_code:
-            user = below.f_back
-            if user is not None and not _is_library_code(user.f_code):
-                return (user.f_code, user.f_lasti)
-    depth, below, frame = 2, None, sys._getframe(2)
+def _walk_to_forward_site() -> tuple:
+    """``(code, f_lasti)`` of the innermost user frame above ``prepare_call``; learns its depth."""
+    depth, frame = 1, sys._getframe(2)  # 2: prepare_call's caller
     while frame is not None and _is_library_code(frame.f_code):
-        below, frame, depth = frame, frame.f_back, depth + 1
+        frame, depth = frame.f_back, depth + 1
     if frame is None:
         return (None, 0)
-    if below is not None:
-        _learned_site[:] = [depth - 1, below.f_code]
+    global _learned_site
+    _learned_site = (depth, frame.f_code)
     return (frame.f_code, frame.f_lasti)
 
 
@@ -330,8 +318,11 @@ def _describe_forward_site(site: tuple) -> str:
 
 STEP_ASIDE = "step-aside"  # run torch's checkpoint exactly as asked, unguarded
 
-_current_config = _config.current
-_is_compiling = _state.is_compiling
+_scoped_config = _config.scoped_config
+_getframe = sys._getframe
+_torch_compiler = _torch.compiler
+_peek_interpreter_stack = _state.peek_interpreter_stack
+_saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 
@@ -362,20 +353,26 @@ def prepare_call(
     recompute.  ``args[first_input:]`` are the inputs; ``context_fn`` is the
     non-reentrant variant's (or None).
 
-    This runs on every checkpoint call (about 3 µs of guard time per call on
-    this project's machine, measured by ``benchmarks/overhead.py``), so the
-    quiet case is one straight line through builtin queries.
+    This runs on every checkpoint call, so the quiet case is one straight
+    line through builtin queries: about 2.5 µs of guard time per
+    non-reentrant call on this project's machine, of which ~0.5 µs are the
+    state queries, ~0.5 µs the capture, ~0.5 µs the call site and ~0.5 µs the
+    recompute handle (``benchmarks/overhead.py`` measures the total).
     """
-    config = _current_config()
-    if not config.active or _is_compiling():
+    # Inlined: _config.current() and torch.compiler.is_compiling() (its flag:
+    # dynamo never traces this file, see _patch._skip_in_dynamo).
+    config = _scoped_config() or _config._installed
+    if not config.active or _torch_compiler._is_compiling_flag:
         return STEP_ASIDE
     grad = _is_grad_enabled()
-    if not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
-        outcome = decide_call(reentrant, function, args[first_input:], config)
-        if outcome != PROCEED:
-            return outcome
-    if not grad:
-        return STEP_ASIDE  # nothing will be recomputed
+    # Inlined call_is_quiet for the usual non-reentrant call with grad on.
+    if reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled():
+        if not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
+            outcome = decide_call(reentrant, function, args[first_input:], config)
+            if outcome != PROCEED:
+                return outcome
+        if not grad:
+            return STEP_ASIDE  # nothing will be recomputed
     forward_state = capture(function)
     if config.may_fall_back and risk_visible(forward_state):
         if anticipate(config, forward_state, reentrant, function) != PROCEED:
@@ -383,7 +380,19 @@ def prepare_call(
     modes_managed = (
         context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
     )
-    site = forward_site()
+    # The user's call site, for messages: (code, f_lasti); the line number is
+    # worked out only if a message needs it.  Inlined fast path: the function
+    # found at the learned depth last time is there again.  (Walking the stack
+    # costs ~3 µs; each frame object made costs ~0.3 µs, so only one is.)
+    depth, user_code = _learned_site
+    try:
+        user = _getframe(depth)
+    except ValueError:
+        user = None
+    if user is not None and user.f_code is user_code:
+        site = (user.f_code, user.f_lasti)
+    else:
+        site = _walk_to_forward_site()
     if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off":
         drew = [False]
         guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew)

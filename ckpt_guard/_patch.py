@@ -137,18 +137,19 @@ def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
     RngWatch = _decide.RngWatch
 
-    def _checkpoint_without_reentrant_generator(*args: Any, **kwargs: Any):
-        context_fn = args[context_index] if context_index is not None and len(args) > context_index else None
-        preserve = args[1] if len(args) > 1 else True
-        decision = prepare(False, args[0], args, n_fixed, context_fn, preserve)
+    def _checkpoint_without_reentrant_generator(fn: Any, *args: Any, **kwargs: Any):
+        # args: torch's parameters after fn (preserve_rng_state, context_fn, ...), then the inputs
+        context_fn = args[context_index - 1] if context_index is not None and len(args) >= context_index else None
+        preserve = args[0] if args else True
+        decision = prepare(False, fn, args, n_fixed - 1, context_fn, preserve)
         if decision is STEP_ASIDE:
-            return original(*args, **kwargs)
+            return original(fn, *args, **kwargs)
         if decision is NO_CHECKPOINT:
             return _no_checkpoint_generator()
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
-            inner = original(decision.function, decision.preserve_rng_state, *args[2:], **kwargs)
+            inner = original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
             return _watch_forward_rng(inner, decision.drew)
-        return original(decision, *args[1:], **kwargs)
+        return original(decision, *args, **kwargs)
 
     _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
     return _checkpoint_without_reentrant_generator

@@ -21,7 +21,7 @@ user's and are left out, so they can never cause a report.
 Parameter swaps (``torch.func.functional_call``) leave no trace in torch's
 state, so ``_patch`` wraps the generator inside
 ``torch.nn.utils.stateless._reparametrize_module`` with
-:func:`tracked_reparametrize`, which keeps :data:`active_swaps` current.
+:func:`tracked_reparametrize`, which keeps :data:`_active_swaps` current.
 """
 
 from __future__ import annotations
@@ -194,25 +194,27 @@ def swap_touches(function: object, tokens: tuple[SwapToken, ...]) -> bool:
 
 
 # Swaps are process-wide state (they rewrite module attributes in place), so a
-# plain global; replaced, never mutated, so readers need no lock.
-active_swaps: tuple[SwapToken, ...] = ()
+# plain global list, changed only under the lock.
+_active_swaps: list[SwapToken] = []
 _swap_lock = threading.Lock()
 
 
 def current_swaps() -> tuple[SwapToken, ...]:
-    return active_swaps
+    return tuple(_active_swaps)
+
+
+# the capture's builtin "anything there?" query (see _decide._compile_capture)
+current_swaps.active = _active_swaps.__len__  # type: ignore[attr-defined]
 
 
 def _push_swap(token: SwapToken) -> None:
-    global active_swaps
     with _swap_lock:
-        active_swaps = active_swaps + (token,)
+        _active_swaps.append(token)
 
 
 def _pop_swap(token: SwapToken) -> None:
-    global active_swaps
     with _swap_lock:
-        active_swaps = tuple(t for t in active_swaps if t is not token)
+        _active_swaps[:] = [t for t in _active_swaps if t is not token]
 
 
 def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]]):

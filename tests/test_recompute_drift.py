@@ -214,3 +214,55 @@ def test_backward_inside_functional_call_is_quiet():
         results.append([params[k].grad for k in sorted(params)])
     for raw, guarded in zip(*results):
         assert torch.equal(raw, guarded)
+
+
+def test_recompute_message_names_each_calls_own_site():
+    """The forward's call site is remembered per call, whatever way into checkpointing came before.
+
+    The guard remembers where the user's frame sat on the last call (a cache
+    for speed); alternating entry points, whose torch call chains differ in
+    length, must still each name their own line.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3, 3)
+    wrapped = checkpoint_wrapper(torch.nn.Linear(3, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    x = torch.randn(2, 3, requires_grad=True)
+    lines = {}
+
+    def direct():
+        lines["direct"] = _line() + 1
+        return checkpoint(linear, x, use_reentrant=False)
+
+    def sequential():
+        lines["sequential"] = _line() + 1
+        return torch.utils.checkpoint.checkpoint_sequential(model, 2, x, use_reentrant=False)
+
+    def through_wrapper():
+        lines["through_wrapper"] = _line() + 1
+        return wrapped(x)
+
+    def helper_then_direct():
+        return direct()  # one user frame more: the site is still direct's line
+
+    ckpt_guard.install("warn")  # the forward's policy decides at the recompute
+    for forward in (direct, sequential, through_wrapper, direct, helper_then_direct, sequential, direct):
+        y = forward()
+        torch.set_default_dtype(torch.float64)  # CKG105 at the recompute
+        try:
+            with pytest.warns(CheckpointCompositionWarning) as record:
+                y.sum().backward()
+        finally:
+            torch.set_default_dtype(torch.float32)
+        name = forward.__name__ if forward is not helper_then_direct else "direct"
+        expected = f"checkpoint called at: {__file__}:{lines[name]} in {name}"
+        messages = [str(w.message) for w in record if issubclass(w.category, CheckpointCompositionWarning)]
+        assert messages and all(expected in m for m in messages), (forward.__name__, expected, messages)
+
+
+def _line() -> int:
+    import sys
+
+    return sys._getframe(1).f_lineno
