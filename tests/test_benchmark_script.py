@@ -22,6 +22,8 @@ def test_overhead_quick_runs_and_reports():
     out = proc.stdout
     assert "| case | use_reentrant | mode | raw µs/call | guarded µs/call" in out, out
     assert "Proof: `import ckpt_guard` does not import torch" in out, out
-    # every combination is reported: 2 sizes x 2 variants x 2 modes
+    assert "| ratio | ratio IQR | added µs/call | target |" in out, out
+    # every combination is reported: 3 sizes x 2 variants x 2 modes
+    assert out.count("| Trivial x*2, 4 elements |") == 4, out
     assert out.count("| Linear+relu 64x64 |") == 4, out
     assert out.count("| Transformer block d=256 |") == 4, out
