@@ -643,6 +643,42 @@ def _probe_default_dtype_whole_step(ckpt, use_reentrant):
     return [y.detach(), *_grads(x, *block.parameters())]
 
 
+def _probe_gan_other_player_steps(ckpt, use_reentrant):
+    """GAN-style: the discriminator's optimizer steps between the checkpointed generator's
+    forward and its backward; the generator's own parameters are untouched (CKG108 stays quiet)."""
+    import torch
+
+    torch.manual_seed(0)
+    generator, discriminator = _mlp(), torch.nn.Linear(8, 1)
+    d_optimizer = torch.optim.SGD(discriminator.parameters(), lr=0.1)
+    z = torch.randn(4, 8, requires_grad=True)  # reentrant needs an input that requires grad (CKG006)
+    fake = ckpt(generator, z, **_variant_kwargs(use_reentrant))
+    d_loss = discriminator(fake.detach()).pow(2).mean()
+    d_loss.backward()
+    d_optimizer.step()  # updates only the discriminator
+    d_optimizer.zero_grad()
+    g_loss = fake.sin().sum()  # (a real GAN scores fake with D; this keeps D out of g's graph)
+    g_loss.backward()
+    return [fake.detach(), *_grads(*generator.parameters(), *discriminator.parameters())]
+
+
+def _probe_optimizer_step_skips_block(ckpt, use_reentrant):
+    """An optimizer holding the block's parameters steps before .backward(), but they have
+    no gradient yet, so SGD leaves them as they are (CKG108 compares versions: quiet)."""
+    import torch
+
+    torch.manual_seed(0)
+    block = _mlp()
+    other = torch.zeros(8, requires_grad=True)  # say, an embedding trained on another loss
+    optimizer = torch.optim.SGD([*block.parameters(), other], lr=0.1)
+    x = torch.randn(4, 8, requires_grad=True)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    other.grad = torch.ones_like(other)  # only `other` has a gradient
+    optimizer.step()
+    y.pow(2).sum().backward()
+    return [y.detach(), other.detach().clone(), *_grads(x, *block.parameters())]
+
+
 SAFE_COMPOSITIONS: tuple[Composition, ...] = (
     Composition(
         name="training-step",
@@ -757,6 +793,18 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         description="two optimizer steps of a model that checkpoints a block in its forward",
         variants=BOTH,
         probe=_probe_two_steps,
+    ),
+    Composition(
+        name="gan-other-player-steps",
+        description="another model's optimizer steps between the checkpointed forward and its backward",
+        variants=BOTH,
+        probe=_probe_gan_other_player_steps,
+    ),
+    Composition(
+        name="optimizer-step-skips-block",
+        description="an optimizer over the block steps before backward, but the block has no gradients yet",
+        variants=BOTH,
+        probe=_probe_optimizer_step_skips_block,
     ),
     Composition(
         name="functional-call-backward-inside",

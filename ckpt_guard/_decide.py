@@ -240,6 +240,8 @@ _OUTCOME_TEXT = {
 
 _DRIFT_READERS = tuple(getattr(_state, rule.read) for rule in DRIFT_RULES)
 _DRIFT_RENDERERS = tuple(getattr(_state, rule.render) for rule in DRIFT_RULES)
+# per reader: ``relevant(function, was, now)`` or None (every change matters)
+_DRIFT_RELEVANCE = tuple(getattr(read, "relevant", None) for read in _DRIFT_READERS)
 
 
 def _compile_capture(readers: tuple) -> Any:
@@ -435,11 +437,9 @@ def _checked_call(
 def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:
     """Whether a changed value can change this function's recompute."""
     if index in _MODE_INDICES:
-        return not modes_managed
-    if index == _SWAPS_INDEX:
-        changed = tuple(t for t in set(was) ^ set(now))
-        return _state.swap_touches(function, changed)
-    return True
+        return not modes_managed  # a user context_fn owns the recompute's modes
+    relevant = _DRIFT_RELEVANCE[index]
+    return relevant is None or relevant(function, was, now)
 
 
 def report_drift(

@@ -16,7 +16,7 @@ So ``checkpoint``, ``checkpoint_sequential``, names bound before ``install()``
 covered, while the public ``checkpoint`` function, which dynamo recognises by
 identity, is never touched.
 
-Two more, smaller patches feed the messages and the drift rules:
+Smaller patches feed the messages and the drift rules:
 
 * ``torch.utils.checkpoint.warnings`` becomes a proxy whose ``warn`` marks the
   calling ``checkpoint`` frame when torch warns that ``use_reentrant`` was not
@@ -24,7 +24,11 @@ Two more, smaller patches feed the messages and the drift rules:
 * the generator inside ``torch.nn.utils.stateless._reparametrize_module`` (the
   swap behind ``torch.func.functional_call``) is wrapped through the closure
   cell of its ``@contextmanager`` wrapper, so parameter swaps become visible
-  while the function object dynamo recognises stays the same.
+  while the function object dynamo recognises stays the same;
+* a global optimizer pre-step hook counts optimizer steps (CKG108).
+
+And dynamo is told to skip the guard's files, as it skips torch's own
+checkpoint internals.
 
 ``install()`` works before ``import torch``: a wrapt post-import hook on
 ``torch`` applies the patches once torch has finished importing.  Hooks cannot
@@ -293,6 +297,19 @@ def _patch_reparametrize() -> None:
     _applied.append(restore)
 
 
+def _watch_optimizer_steps() -> None:
+    """A global optimizer pre-step hook counts steps for the drift rule CKG108."""
+    from . import _state
+
+    try:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+    except ImportError as exc:
+        _warn_unguarded("torch.optim.optimizer.register_optimizer_step_pre_hook", str(exc))
+        return
+    handle = register_optimizer_step_pre_hook(_state.note_optimizer_step)
+    _applied.append(handle.remove)
+
+
 # The guard's code that runs inside a checkpoint call.  Dynamo must never
 # trace it, just as it never traces torch's own checkpoint internals.
 _DYNAMO_SKIPPED_FILES = tuple(
@@ -345,6 +362,7 @@ def _apply_patches() -> None:
         check_torch_version(torch.__version__)
         _patch_checkpoint_module()
         _patch_reparametrize()
+        _watch_optimizer_steps()
         _skip_in_dynamo()
 
 

@@ -469,6 +469,38 @@ def _probe_train_eval_flip(ckpt, use_reentrant):
     return [y.detach(), *_grads(x, *block.parameters())]
 
 
+def _probe_optimizer_step_before_backward(ckpt, use_reentrant):
+    """An optimizer step on the checkpointed block between its forward and .backward().
+
+    Without checkpointing autograd refuses this order (a saved parameter was
+    modified in place), so the reference takes the same step after the
+    backward: the gradients of the loss that was actually computed.
+    """
+    import torch
+    import torch.utils.checkpoint
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.5)
+    x = torch.randn(3, 4, requires_grad=True)
+    loss = ckpt(block, x, **_variant_kwargs(use_reentrant)).pow(2).sum()
+
+    def step():  # e.g. the other player's update in a GAN, or step() before backward()
+        for p in block.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    checkpointed = ckpt is torch.utils.checkpoint.checkpoint
+    if checkpointed:
+        step()
+    loss.backward()
+    grads = [g.clone() for g in _grads(x, *block.parameters())]
+    if not checkpointed:
+        step()
+    return [loss.detach(), *grads]
+
+
 _DRIFT_FALLBACK = (
     "runs the function without checkpointing whenever this risk is visible at call time; "
     "a drift first seen at recompute is raised as under strict (nothing can repair it then)"
@@ -635,6 +667,37 @@ _DRIFT_RULES = [
         read="module_training",
         render="describe_training",
     ),
+    Rule(
+        id="CKG108",
+        title="optimizer updated the checkpointed block's parameters before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "a torch.optim optimizer stepped on parameters the checkpointed function uses after "
+            "its forward and before its recompute: optimizer.step() before loss.backward(), a "
+            "GAN's other player stepping between this forward and its backward, a second "
+            "backward (retain_graph=True) after a step"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the recompute runs with the updated parameters. "
+            "Without checkpointing autograd refuses (a variable needed for gradient computation "
+            "has been modified by an inplace operation); checkpointing bypasses that check"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "finish loss.backward() before optimizer.step(); in alternating updates (GANs), "
+            "run each backward before the other optimizer steps on parameters it uses, or "
+            "do not checkpoint blocks whose parameters are updated in between"
+        ),
+        fallback=_DRIFT_FALLBACK,
+        # No upstream thread on this one; the closest: checkpointing and autograd's
+        # in-place (version counter) checks, discussed when checkpoint was added.
+        refs=("https://github.com/pytorch/pytorch/pull/4594",),
+        torch_versions="all; measured on 2.13",
+        probe=_probe_optimizer_step_before_backward,
+        read="optimizer_steps",
+        render="describe_optimizer_steps",
+    ),
 ]
 
 
@@ -679,7 +742,8 @@ RNG_RULE = Rule(
     probe=_probe_rng_not_preserved,
 )
 
-RULES: tuple[Rule, ...] = tuple(_CALL_RULES + _DRIFT_RULES + [RNG_RULE])
+#: Every rule, in id order (how the CLI and the docs list them).
+RULES: tuple[Rule, ...] = tuple(sorted(_CALL_RULES + _DRIFT_RULES + [RNG_RULE], key=lambda rule: rule.id))
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
 #: Recompute rules decided by comparing state captured in the forward and at recompute.
 DRIFT_RULES: tuple[Rule, ...] = tuple(_DRIFT_RULES)

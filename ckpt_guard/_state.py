@@ -22,10 +22,19 @@ Parameter swaps (``torch.func.functional_call``) leave no trace in torch's
 state, so ``_patch`` wraps the generator inside
 ``torch.nn.utils.stateless._reparametrize_module`` with
 :func:`tracked_reparametrize`, which keeps :data:`_active_swaps` current.
+Optimizer steps are counted by a global optimizer pre-step hook
+(:func:`note_optimizer_step`), which also remembers the versions of the
+parameters each step is about to update.
+
+A drift reader may also carry a ``relevant(function, was, now)`` attribute:
+asked only once its value changed, it says whether the change can reach the
+checkpointed function (a swap of other modules, a step of another model's
+optimizer cannot).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
 import weakref
@@ -207,6 +216,13 @@ def current_swaps() -> tuple[SwapToken, ...]:
 current_swaps.active = _active_swaps.__len__  # type: ignore[attr-defined]
 
 
+def _swaps_relevant(function: object, was: tuple, now: tuple) -> bool:
+    return swap_touches(function, tuple(set(was) ^ set(now)))
+
+
+current_swaps.relevant = _swaps_relevant  # type: ignore[attr-defined]
+
+
 def _push_swap(token: SwapToken) -> None:
     with _swap_lock:
         _active_swaps.append(token)
@@ -254,6 +270,69 @@ default_dtype = torch.get_default_dtype
 
 def describe_dtype(dtype: torch.dtype) -> str:
     return str(dtype)
+
+
+# --------------------------------------------------------------------------
+# optimizer steps: parameters updated in place between forward and recompute
+
+_optimizer_steps = [0]
+#: ``optimizer_steps()``: how many optimizer steps were taken, process-wide; a
+#: builtin call, because the capture runs on every checkpoint call.
+optimizer_steps = functools.partial(_optimizer_steps.__getitem__, 0)
+# The latest steps, oldest first: (step number, {id(parameter): its _version
+# just before the step}).  Ids are safe to compare: an entry is only consulted
+# for parameters alive since before that step.
+_step_log: collections.deque = collections.deque(maxlen=64)
+_step_lock = threading.Lock()
+
+
+def note_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer pre-step hook: count the step, note its parameters' versions.
+
+    One pass over the optimizer's parameters per step (tens of µs for
+    hundreds of tensors), nothing per checkpoint call beyond reading the count.
+    """
+    versions = {id(p): p._version for group in optimizer.param_groups for p in group["params"]}
+    with _step_lock:
+        _optimizer_steps[0] += 1
+        _step_log.append((_optimizer_steps[0], versions))
+
+
+def parameters_used_by(function: object) -> list[Tensor]:
+    """Every parameter of ``function``'s modules (any mode), and tensors its closure captures."""
+    found = [p for module in owning_modules(function) for p in module.parameters()]
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(value, Tensor):
+            found.append(value)
+    return found
+
+
+def _steps_relevant(function: object, was: int, now: int) -> bool:
+    """Whether a step taken since the forward updated a parameter ``function`` uses.
+
+    Parameters that cannot be seen (a module hidden in a dict) count as
+    untouched: this rule never guesses.
+    """
+    parameters = parameters_used_by(function)
+    with _step_lock:
+        steps = [versions for number, versions in _step_log if was < number <= now]
+    for versions in steps:
+        for p in parameters:
+            before = versions.get(id(p))
+            if before is not None and p._version != before:
+                return True
+    return False
+
+
+optimizer_steps.relevant = _steps_relevant  # type: ignore[attr-defined]
+
+
+def describe_optimizer_steps(count: int) -> str:
+    return f"after optimizer step {count}" if count else "before any optimizer step"
 
 
 # --------------------------------------------------------------------------

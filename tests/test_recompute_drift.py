@@ -266,3 +266,25 @@ def _line() -> int:
     import sys
 
     return sys._getframe(1).f_lineno
+
+
+def test_optimizer_step_on_a_captured_tensor_and_on_a_retained_graph():
+    """CKG108 beyond the probe: a closure's captured parameter; a second backward after a step."""
+    w = torch.randn(3, 3, requires_grad=True)
+    optimizer = torch.optim.SGD([w], lr=0.1)
+    x = torch.randn(2, 3, requires_grad=True)
+    loss = checkpoint(lambda t: torch.tanh(t @ w), x, use_reentrant=False).sum()
+    w.grad = torch.ones_like(w)
+    optimizer.step()
+    with pytest.raises(CheckpointCompositionError, match=r"changed since the forward: .*optimizer step.* → after optimizer step \d+") as info:
+        loss.backward()
+    assert info.value.rule.id == "CKG108"
+
+    block = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
+    loss = checkpoint(block, x, use_reentrant=False).pow(2).sum()
+    loss.backward(retain_graph=True)  # fine: nothing changed yet
+    optimizer.step()
+    with pytest.raises(CheckpointCompositionError) as info:
+        loss.backward()  # recomputes with the stepped parameters
+    assert info.value.rule.id == "CKG108"
