@@ -662,6 +662,31 @@ def _probe_gan_other_player_steps(ckpt, use_reentrant):
     return [fake.detach(), *_grads(*generator.parameters(), *discriminator.parameters())]
 
 
+def _probe_gan_parent_method(ckpt, use_reentrant):
+    """GAN-style with one parent module holding both players: ``checkpoint(gan.generate, z)``,
+    then the discriminator's step before the generator's backward.  The method may use
+    any part of the parent; the generator's parameters are untouched (CKG108 stays quiet)."""
+    import torch
+
+    class GAN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.generator, self.discriminator = _mlp(), torch.nn.Linear(8, 1)
+
+        def generate(self, z):
+            return self.generator(z)
+
+    torch.manual_seed(0)
+    gan = GAN()
+    d_optimizer = torch.optim.SGD(gan.discriminator.parameters(), lr=0.1)
+    z = torch.randn(4, 8, requires_grad=True)
+    fake = ckpt(gan.generate, z, **_variant_kwargs(use_reentrant))
+    gan.discriminator(fake.detach()).pow(2).mean().backward()
+    d_optimizer.step()
+    fake.sin().sum().backward()
+    return [fake.detach(), *_grads(*gan.generator.parameters())]
+
+
 def _probe_optimizer_step_skips_block(ckpt, use_reentrant):
     """An optimizer holding the block's parameters steps before .backward(), but they have
     no gradient yet, so SGD leaves them as they are (CKG108 compares versions: quiet)."""
@@ -799,6 +824,12 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         description="another model's optimizer steps between the checkpointed forward and its backward",
         variants=BOTH,
         probe=_probe_gan_other_player_steps,
+    ),
+    Composition(
+        name="gan-parent-method",
+        description="checkpoint(gan.generate, z) on a parent holding both players; the other player steps",
+        variants=BOTH,
+        probe=_probe_gan_parent_method,
     ),
     Composition(
         name="optimizer-step-skips-block",

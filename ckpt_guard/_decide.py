@@ -265,7 +265,8 @@ def _compile_capture(readers: tuple) -> Any:
         else:
             parts.append(call)
     source = f"def capture(function):\n    return ({', '.join(parts)},)\n"
-    exec(source, namespace)  # noqa: S102 - generated from the rule table
+    # Filed under this file: dynamo skips it, and call-site walks count it as the guard's.
+    exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - generated from the rule table
     return namespace["capture"]
 
 
@@ -285,24 +286,28 @@ _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
 
-# Where the user's frame sat on the last walk: (depth from prepare_call, its
-# code); replaced whole, so threads read a consistent pair.  The usual call
-# chain has a fixed shape (checkpoint and torch's decorator frames), so one
-# lookup usually finds the same function there again.  Only recursion (the
-# same function again, further up, with a shorter chain below it) could fool
-# it, and then the line named would still be in the right function.
-_learned_site: tuple = (1, None)
+# Call sites found by walking the stack: (depth from prepare_call, id(code),
+# f_lasti) -> code.  The same function, at the same instruction, at the same
+# depth is the same call site again (a different instruction, as when one
+# function reaches checkpoint both directly and through a helper or
+# checkpoint_sequential, walks again).  _site_depth: where the last walk
+# found the user's frame; the usual call chain keeps one shape.
+_known_sites: dict = {}
+_site_depth = 1
 
 
 def _walk_to_forward_site() -> tuple:
-    """``(code, f_lasti)`` of the innermost user frame above ``prepare_call``; learns its depth."""
+    """``(code, f_lasti)`` of the innermost user frame above ``prepare_call``; learns it."""
+    global _site_depth
     depth, frame = 1, sys._getframe(2)  # 2: prepare_call's caller
     while frame is not None and _is_library_code(frame.f_code):
         frame, depth = frame.f_back, depth + 1
     if frame is None:
         return (None, 0)
-    global _learned_site
-    _learned_site = (depth, frame.f_code)
+    if len(_known_sites) > 4096:  # bounded: a program has few checkpoint call sites
+        _known_sites.clear()
+    _known_sites[(depth, id(frame.f_code), frame.f_lasti)] = frame.f_code
+    _site_depth = depth
     return (frame.f_code, frame.f_lasti)
 
 
@@ -383,15 +388,15 @@ def prepare_call(
         context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
     )
     # The user's call site, for messages: (code, f_lasti); the line number is
-    # worked out only if a message needs it.  Inlined fast path: the function
-    # found at the learned depth last time is there again.  (Walking the stack
-    # costs ~3 µs; each frame object made costs ~0.3 µs, so only one is.)
-    depth, user_code = _learned_site
+    # worked out only if a message needs it.  Inlined fast path: a known call
+    # site at the last walk's depth.  (Walking the stack costs ~3 µs; each
+    # frame object made costs ~0.3 µs, so only one is.)
+    depth = _site_depth
     try:
         user = _getframe(depth)
     except ValueError:
         user = None
-    if user is not None and user.f_code is user_code:
+    if user is not None and _known_sites.get((depth, id(user.f_code), user.f_lasti)) is user.f_code:
         site = (user.f_code, user.f_lasti)
     else:
         site = _walk_to_forward_site()

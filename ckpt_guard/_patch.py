@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pathlib
 import sys
 import threading
 import warnings
@@ -311,10 +312,13 @@ def _watch_optimizer_steps() -> None:
 
 
 # The guard's code that runs inside a checkpoint call.  Dynamo must never
-# trace it, just as it never traces torch's own checkpoint internals.
+# trace it, just as it never traces torch's own checkpoint internals.  Not
+# _state.py: its functional_call and optimizer-step hooks run inside code
+# dynamo traces, so they are written to be traced (see is_compiling there).
+# Paths as dynamo compares them: POSIX-style, also on Windows.
 _DYNAMO_SKIPPED_FILES = tuple(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    for name in ("_patch.py", "_decide.py", "_state.py", "_config.py", "_events.py")
+    pathlib.Path(os.path.abspath(__file__)).with_name(name).as_posix()
+    for name in ("_patch.py", "_decide.py", "_config.py", "_events.py")
 )
 _TRACE_RULES = "torch._dynamo.trace_rules"
 

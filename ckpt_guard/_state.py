@@ -246,6 +246,13 @@ def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]])
 
     @functools.wraps(original_generator)
     def tracked_reparametrize(module, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # Dynamo traces this generator like torch's own (it reads the call
+            # above as True): just torch's swap, nothing dynamo cannot trace.
+            # A compiled graph has no checkpoint recompute to drift from.
+            with original_cm(module, *args, **kwargs) as value:
+                yield value
+            return
         with original_cm(module, *args, **kwargs) as value:
             token = SwapToken(module, args[0] if args else kwargs.get("parameters_and_buffers"))
             _push_swap(token)
@@ -280,10 +287,13 @@ _optimizer_steps = [0]
 #: builtin call, because the capture runs on every checkpoint call.
 optimizer_steps = functools.partial(_optimizer_steps.__getitem__, 0)
 # The latest steps, oldest first: (step number, {id(parameter): its _version
-# just before the step}).  Ids are safe to compare: an entry is only consulted
-# for parameters alive since before that step.
+# just before the step, or UPDATED_UNVERSIONED}).  Ids are safe to compare: an
+# entry is only consulted for parameters alive since before that step.
 _step_log: collections.deque = collections.deque(maxlen=64)
 _step_lock = threading.Lock()
+#: a fused optimizer updates parameters without bumping their version: a
+#: parameter with a gradient in a fused group counts as updated
+UPDATED_UNVERSIONED = -1
 
 
 def note_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -291,40 +301,98 @@ def note_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
     One pass over the optimizer's parameters per step (tens of µs for
     hundreds of tensors), nothing per checkpoint call beyond reading the count.
+    Never raises into the user's ``step()``: an optimizer this cannot read
+    (a custom one with odd param_groups) is counted, with no parameters noted.
+    Under ``torch.compile`` dynamo traces this and reads the first line as
+    True: a compiled step adds no graph break and is not counted.
     """
-    versions = {id(p): p._version for group in optimizer.param_groups for p in group["params"]}
+    if torch.compiler.is_compiling():
+        return
+    versions: dict[int, int] = {}
+    try:
+        for group in optimizer.param_groups:
+            fused = bool(group.get("fused"))
+            for p in group.get("params", ()):
+                if isinstance(p, Tensor):
+                    if fused:
+                        if p.grad is not None:
+                            versions[id(p)] = UPDATED_UNVERSIONED
+                    else:
+                        versions[id(p)] = p._version
+    except Exception:  # noqa: BLE001 - a hook must not break the user's step
+        versions = {}
     with _step_lock:
         _optimizer_steps[0] += 1
         _step_log.append((_optimizer_steps[0], versions))
 
 
-def parameters_used_by(function: object) -> list[Tensor]:
-    """Every parameter of ``function``'s modules (any mode), and tensors its closure captures."""
-    found = [p for module in owning_modules(function) for p in module.parameters()]
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
+_CALL_METHODS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
+
+
+def parameters_used_by(function: object) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """``(surely, maybe)``: parameters ``function`` surely uses, and per module it may use in part.
+
+    Surely: an ``nn.Module`` (or its ``forward``/``__call__``) is run whole, and
+    a tensor captured by a closure or bound by a ``partial`` is used as is.
+    Maybe: a module a closure captures, or whose other method is checkpointed
+    (``checkpoint(self.generate, z)``), may be used only in part: a GAN's
+    parent module holds both players.
+    """
+    surely: list[Tensor] = []
+    maybe: list[list[Tensor]] = []
+    todo: list[tuple[object, bool]] = [(function, True)]
+    seen: set[int] = set()
+    while todo:
+        obj, whole = todo.pop()
+        if id(obj) in seen:
             continue
-        if isinstance(value, Tensor):
-            found.append(value)
-    return found
+        seen.add(id(obj))
+        if isinstance(obj, Module):
+            params = list(obj.parameters())
+            surely.extend(params) if whole else maybe.append(params)
+        elif isinstance(obj, Tensor):
+            surely.append(obj)
+        elif isinstance(obj, functools.partial):
+            todo.extend((o, whole) for o in (obj.func, *obj.args, *obj.keywords.values()))
+        elif type(obj) is _MethodType and isinstance(obj.__self__, Module):
+            todo.append((obj.__self__, whole and obj.__func__.__name__ in _CALL_METHODS))
+        elif obj is function and getattr(obj, "__closure__", None):
+            for cell in obj.__closure__:  # type: ignore[union-attr]
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # empty cell
+                    continue
+                values = value if isinstance(value, (list, tuple)) else (value,)
+                todo.extend((v, False) for v in values if isinstance(v, (Module, Tensor)))
+    return surely, maybe
 
 
 def _steps_relevant(function: object, was: int, now: int) -> bool:
     """Whether a step taken since the forward updated a parameter ``function`` uses.
 
-    Parameters that cannot be seen (a module hidden in a dict) count as
-    untouched: this rule never guesses.
+    Never guesses: a module the function may use only in part counts only if
+    the steps updated every one of its trainable parameters; parameters it
+    cannot see at all (a module hidden in a dict) count as untouched.
     """
-    parameters = parameters_used_by(function)
     with _step_lock:
         steps = [versions for number, versions in _step_log if was < number <= now]
-    for versions in steps:
-        for p in parameters:
+    if not steps:
+        return False
+
+    def updated(p: Tensor) -> bool:
+        for versions in steps:
             before = versions.get(id(p))
-            if before is not None and p._version != before:
+            if before is not None and (before == UPDATED_UNVERSIONED or p._version != before):
                 return True
+        return False
+
+    surely, maybe = parameters_used_by(function)
+    if any(updated(p) for p in surely):
+        return True
+    for params in maybe:
+        trainable = [p for p in params if p.requires_grad]
+        if trainable and all(updated(p) for p in trainable):
+            return True
     return False
 
 

@@ -309,9 +309,24 @@ def test_torch_compile_keeps_tag_activation_checkpoint(strict_guard, fresh_dynam
     assert tagged, "dynamo did not produce the tag_activation_checkpoint higher-order op"
 
 
+def _reset_dynamo():
+    """A fresh dynamo: no cached graphs, no counted graph breaks."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _graph_breaks():
+    """Dynamo's graph-break reasons and counts since :func:`_reset_dynamo` (first line of each)."""
+    from torch._dynamo.utils import counters
+
+    return sorted((reason.splitlines()[0], n) for reason, n in counters["graph_break"].items())
+
+
 def _composable_compile_outcome(fullgraph):
     """What ``torch.compile`` makes of the composable ``checkpoint(module)``: values, or the error."""
-    torch._dynamo.reset()
+    _reset_dynamo()
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
     composable_module.checkpoint(block)
@@ -321,8 +336,8 @@ def _composable_compile_outcome(fullgraph):
         y = compiled(x)
         y.backward()
     except Exception as exc:  # noqa: BLE001 - the outcome under comparison
-        return type(exc), str(exc).splitlines()[0]
-    return [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+        return type(exc), str(exc).splitlines()[0], _graph_breaks()
+    return [y.detach(), x.grad, *(p.grad for p in block.parameters())], _graph_breaks()
 
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks-allowed"])
@@ -342,15 +357,81 @@ def test_composable_checkpoint_under_compile_same_outcome_as_torch(fresh_dynamo,
             guarded = _composable_compile_outcome(fullgraph)
     finally:
         ckpt_guard.uninstall()
-    if isinstance(raw, tuple):
-        assert isinstance(guarded, tuple), f"raw torch raised {raw}, guarded returned values"
+    if len(raw) == 3:  # raw torch raised
+        assert len(guarded) == 3, f"raw torch raised {raw[:2]}, guarded returned values"
         assert guarded[0] is raw[0]
         if "marked as skipped" in raw[1]:
             assert "marked as skipped" in guarded[1], guarded[1]
+        assert [n for _, n in guarded[2]] == [n for _, n in raw[2]], (guarded[2], raw[2])
     else:
-        assert not isinstance(guarded, tuple), f"guarded raised {guarded}, raw torch did not"
-        for g, r in zip(guarded, raw):
+        assert len(guarded) == 2, f"guarded raised {guarded[:2]}, raw torch did not"
+        for g, r in zip(guarded[0], raw[0]):
             assert torch.equal(g, r)
+        assert [n for _, n in guarded[1]] == [n for _, n in raw[1]], (guarded[1], raw[1])
+
+
+def _guarded_and_raw(run):
+    """``run()`` with the guard uninstalled, then under strict (warnings silenced)."""
+    ckpt_guard.uninstall()
+    raw = run()
+    ckpt_guard.install("strict")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run(), raw
+    finally:
+        ckpt_guard.uninstall()
+
+
+@pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks-allowed"])
+def test_functional_call_under_compile_same_as_torch(fresh_dynamo, fullgraph):
+    """The swap tracking (CKG101) is traced by dynamo like torch's own swap: no new graph break.
+
+    Until this release the guard's tracking made ``functional_call`` under
+    ``torch.compile(fullgraph=True)`` fail (dynamo cannot enter a lock).
+    """
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    params = {k: v.detach().clone().requires_grad_() for k, v in module.named_parameters()}
+    x = torch.randn(2, 4)
+
+    def run():
+        _reset_dynamo()
+        fn = torch.compile(lambda p, t: torch.func.functional_call(module, p, (t,)).sin().sum(),
+                           backend="eager", fullgraph=fullgraph)
+        out = fn(params, x)
+        grads = torch.autograd.grad(out, list(params.values()))
+        return [out.detach(), *grads], _graph_breaks()
+
+    (got, got_breaks), (raw, raw_breaks) = _guarded_and_raw(run)
+    for g, r in zip(got, raw):
+        assert torch.equal(g, r)
+    assert got_breaks == raw_breaks
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda ps: torch.optim.SGD(ps, lr=0.1), id="SGD"),
+    pytest.param(lambda ps: torch.optim.Adam(ps, lr=0.1), id="Adam"),
+])
+def test_compiled_optimizer_step_same_as_torch(fresh_dynamo, make):
+    """The optimizer-step hook (CKG108) is traced away under compile: same graph breaks, same values."""
+
+    def run():
+        _reset_dynamo()
+        torch.manual_seed(0)
+        module = torch.nn.Linear(4, 4)
+        optimizer = make(module.parameters())
+        for p in module.parameters():
+            p.grad = torch.ones_like(p)
+        step = torch.compile(lambda: optimizer.step(), backend="eager")
+        step()
+        step()
+        return [p.detach().clone() for p in module.parameters()], _graph_breaks()
+
+    (got, got_breaks), (raw, raw_breaks) = _guarded_and_raw(run)
+    for g, r in zip(got, raw):
+        assert torch.equal(g, r)
+    assert got_breaks == raw_breaks
 
 
 def test_dynamo_skips_the_guard_from_install_to_uninstall():

@@ -247,8 +247,29 @@ def test_recompute_message_names_each_calls_own_site():
     def helper_then_direct():
         return direct()  # one user frame more: the site is still direct's line
 
+    def helper():
+        lines["helper"] = _line() + 1
+        return checkpoint(linear, x, use_reentrant=False)
+
+    def mixed(kind):
+        # one function that reaches checkpoint through checkpoint_sequential (one torch
+        # frame more) and through a helper (one user frame more): same depth, same code
+        if kind == "sequential":
+            lines["mixed"] = _line() + 1
+            return torch.utils.checkpoint.checkpoint_sequential(model, 2, x, use_reentrant=False)
+        return helper()
+
+    def mixed_sequential():
+        return mixed("sequential")
+
+    def mixed_helper():
+        return mixed("helper")
+
+    expected_site = {helper_then_direct: "direct", mixed_sequential: "mixed", mixed_helper: "helper"}
     ckpt_guard.install("warn")  # the forward's policy decides at the recompute
-    for forward in (direct, sequential, through_wrapper, direct, helper_then_direct, sequential, direct):
+    order = (direct, sequential, through_wrapper, direct, helper_then_direct, sequential, direct,
+             mixed_sequential, mixed_helper, mixed_sequential, mixed_helper)
+    for forward in order:
         y = forward()
         torch.set_default_dtype(torch.float64)  # CKG105 at the recompute
         try:
@@ -256,7 +277,7 @@ def test_recompute_message_names_each_calls_own_site():
                 y.sum().backward()
         finally:
             torch.set_default_dtype(torch.float32)
-        name = forward.__name__ if forward is not helper_then_direct else "direct"
+        name = expected_site.get(forward, forward.__name__)
         expected = f"checkpoint called at: {__file__}:{lines[name]} in {name}"
         messages = [str(w.message) for w in record if issubclass(w.category, CheckpointCompositionWarning)]
         assert messages and all(expected in m for m in messages), (forward.__name__, expected, messages)
@@ -287,4 +308,52 @@ def test_optimizer_step_on_a_captured_tensor_and_on_a_retained_graph():
     optimizer.step()
     with pytest.raises(CheckpointCompositionError) as info:
         loss.backward()  # recomputes with the stepped parameters
+    assert info.value.rule.id == "CKG108"
+
+
+def test_optimizer_step_on_a_partly_used_parent_fires_only_when_all_of_it_moved():
+    """A closure over a parent module may use any part of it: CKG108 fires only when the step
+    updated all of the parent's trainable parameters (one optimizer over the whole model)."""
+    torch.manual_seed(0)
+    parent = torch.nn.ModuleDict({"block": torch.nn.Linear(3, 3), "head": torch.nn.Linear(3, 1)})
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def run(parameters):
+        optimizer = torch.optim.SGD(parameters, lr=0.1)
+        loss = checkpoint(lambda t: parent["block"](t), x, use_reentrant=False).pow(2).sum()
+        for p in parent.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        loss.backward()
+
+    with pytest.raises(CheckpointCompositionError) as info:
+        run(parent.parameters())  # every parameter moved, whichever part the closure uses
+    assert info.value.rule.id == "CKG108"
+    run(parent["head"].parameters())  # only the head moved: unsure, so quiet
+
+
+def test_optimizer_hook_never_breaks_a_step():
+    """An optimizer whose param_groups the hook cannot read still steps; fused steps count."""
+
+    class Odd(torch.optim.Optimizer):
+        def __init__(self):
+            super().__init__([torch.zeros(1, requires_grad=True)], {})
+            self.param_groups.append({"lr": 0.1})  # no "params"
+            self.param_groups[0]["params"].append(0.5)  # not a tensor
+
+        def step(self, closure=None):
+            return None
+
+    Odd().step()  # no KeyError / AttributeError from the guard's hook
+
+    block = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.Adam(block.parameters(), lr=0.1, fused=True)
+    loss = checkpoint(block, torch.randn(2, 3, requires_grad=True), use_reentrant=False).sum()
+    for p in block.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p._version for p in block.parameters()]
+    optimizer.step()
+    assert [p._version for p in block.parameters()] == before  # the premise: fused steps leave versions
+    with pytest.raises(CheckpointCompositionError) as info:
+        loss.backward()
     assert info.value.rule.id == "CKG108"
