@@ -361,9 +361,9 @@ def prepare_call(
     non-reentrant variant's (or None).
 
     This runs on every checkpoint call, so the quiet case is one straight
-    line through builtin queries: about 2.5 µs of guard time per
+    line through builtin queries: about 3 µs of guard time per
     non-reentrant call on this project's machine, of which ~0.5 µs are the
-    state queries, ~0.5 µs the capture, ~0.5 µs the call site and ~0.5 µs the
+    state queries, ~0.5 µs the capture, ~0.4 µs the call site and ~0.4 µs the
     recompute handle (``benchmarks/overhead.py`` measures the total).
     """
     # Inlined: _config.current() and torch.compiler.is_compiling() (its flag:
