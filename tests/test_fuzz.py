@@ -137,9 +137,10 @@ def known_bug(comp: Comp, found: List[str], outcomes: dict) -> Optional[str]:
     if rule in ("CKG003", "CKG006") and comp.fn_kind == "lambda" and not comp.block_trainable:
         return "FP-PARENT-CAPTURED"
     # FP-SEQ-HARMLESS-DRIFT (conservative): checkpoint_sequential checkpoints only
-    # the Linear segment here; a swap or mode change that the recompute of that
-    # segment never turns into a different saved tensor still fires the rule.
-    if rule in ("CKG101", "CKG102", "CKG103") and comp.entry == "sequential":
+    # the Linear segment here; a swap, mode change or default-dtype change that the
+    # recompute of that segment never turns into a different saved tensor still
+    # fires the rule.
+    if rule in ("CKG101", "CKG102", "CKG103", "CKG105") and comp.entry == "sequential":
         return "FP-SEQ-HARMLESS-DRIFT"
     # FP-SWAP-UNSEEN (documented limit): functional_call swaps only the head, but the
     # checkpointed function hides which module it uses (a closure over the whole
@@ -255,6 +256,9 @@ def check(comp: Comp) -> None:
 @example(comp=Comp(fcall="head", fn_kind="lambda", use_reentrant=False, expect_bug="FP-SWAP-UNSEEN")).xfail(
     reason="FP-SWAP-UNSEEN (documented limit): swap of the head only, closure captures the whole Net",
     raises=AssertionError)
+@example(comp=Comp(entry="sequential", use_reentrant=True, dtype_switch=True, expect_bug="FP-SEQ-HARMLESS-DRIFT")).xfail(
+    reason="FP-SEQ-HARMLESS-DRIFT for CKG105 (found by a 732-example campaign): the constant is "
+    "created in the uncheckpointed last segment", raises=AssertionError)
 @example(comp=Comp(mode="function", entry="sequential", use_reentrant=True, expect_bug="FP-SEQ-HARMLESS-DRIFT")).xfail(
     reason="FP-SEQ-HARMLESS-DRIFT: the mode only changes the uncheckpointed segment", raises=AssertionError)
 @example(comp=Comp(transforms=("vmap",), use_reentrant=False, x_requires_grad=False, do_backward=False, expect_bug="FP-FORWARD-ONLY")).xfail(
