@@ -238,6 +238,25 @@ def program(comp: Comp, checkpointed: bool) -> List[torch.Tensor]:
     return [y.detach(), *tangents, *grads]
 
 
+def raw_crashes(comp: Comp) -> bool:
+    """Compositions on which raw torch 2.13 crashes the interpreter (SIGSEGV).
+
+    A non-reentrant checkpoint under functionalize(jvp-or-jacfwd(functionalize(f)))
+    with backward outside.  The guard raises CKG104 there; the crash itself is
+    measured in a subprocess by
+    ``test_recompute_drift.test_torch_segfault_under_functionalize_jvp_becomes_ckg104``.
+    Running it in-process would end the fuzz run, so the test leaves it out.
+    """
+    t = comp.transforms
+    return (
+        comp.use_reentrant is False
+        and len(t) >= 3
+        and t[0] == "functionalize"
+        and t[-1] == "functionalize"
+        and any(name in ("jvp", "jacfwd") for name in t[1:-1])
+    )
+
+
 # --------------------------------------------------------------------------
 # running it five ways
 

@@ -357,3 +357,68 @@ def test_optimizer_hook_never_breaks_a_step():
     with pytest.raises(CheckpointCompositionError) as info:
         loss.backward()
     assert info.value.rule.id == "CKG108"
+
+
+# functionalize(jvp(functionalize(f))) around a non-reentrant checkpoint, backward
+# outside: torch 2.13 crashes the interpreter (SIGSEGV) in the recompute.  Found by a
+# fuzz campaign (which now leaves this shape out, see fuzz_compositions.raw_crashes).
+_SEGFAULT_PROGRAM = """
+import json, sys
+import torch
+from torch.func import functionalize, jvp
+from torch.utils.checkpoint import checkpoint
+import ckpt_guard
+mode = sys.argv[1]
+if mode != "raw":
+    ckpt_guard.install(mode)
+torch.manual_seed(0)
+block = torch.nn.Linear(3, 3)
+x = torch.randn(3, requires_grad=True)
+def middle(t):
+    out, tangent = jvp(functionalize(lambda u: checkpoint(block, u, use_reentrant=False)),
+                       (t,), (torch.ones_like(t),))
+    return out + tangent
+try:
+    functionalize(middle)(x).sum().backward()
+    print("gradient", json.dumps(x.grad.tolist()))
+except ckpt_guard.CheckpointCompositionError as exc:
+    print("raised", exc.rule.id)
+"""
+
+
+def _run_segfault_program(mode: str):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-c", _SEGFAULT_PROGRAM, mode], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_torch_segfault_under_functionalize_jvp_becomes_ckg104():
+    import json
+    import signal
+
+    raw = _run_segfault_program("raw")
+    assert raw.returncode == -signal.SIGSEGV, (
+        f"torch {torch.__version__} no longer crashes here (rc {raw.returncode}): "
+        f"update the CHANGELOG entry\n{raw.stdout}{raw.stderr[-1500:]}"
+    )
+    strict = _run_segfault_program("strict")
+    assert strict.returncode == 0 and strict.stdout.strip() == "raised CKG104", strict.stderr[-1500:]
+    warn = _run_segfault_program("warn")  # warns, then does exactly what torch does
+    assert warn.returncode == -signal.SIGSEGV and "[CKG104]" in warn.stderr, warn.stderr[-1500:]
+    fallback = _run_segfault_program("fallback")  # anticipated at call time: no checkpoint
+    assert fallback.returncode == 0 and fallback.stdout.startswith("gradient"), fallback.stderr[-1500:]
+
+    torch.manual_seed(0)  # the reference: the same program without checkpointing
+    block = torch.nn.Linear(3, 3)
+    x = torch.randn(3, requires_grad=True)
+
+    def middle(t):
+        out, tangent = torch.func.jvp(torch.func.functionalize(block), (t,), (torch.ones_like(t),))
+        return out + tangent
+
+    torch.func.functionalize(middle)(x).sum().backward()
+    got = torch.tensor(json.loads(fallback.stdout.split(" ", 1)[1]))
+    torch.testing.assert_close(got, x.grad)
