@@ -248,8 +248,10 @@ def raw_crashes(comp: Comp) -> bool:
     Running it in-process would end the fuzz run, so the test leaves it out.
     """
     t = comp.transforms
+    # not passed: checkpoint defaults to reentrant, checkpoint_wrapper to non-reentrant
+    non_reentrant = comp.use_reentrant is False or (comp.use_reentrant is None and comp.entry == "wrapper")
     return (
-        comp.use_reentrant is False
+        non_reentrant
         and len(t) >= 3
         and t[0] == "functionalize"
         and t[-1] == "functionalize"
