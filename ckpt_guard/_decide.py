@@ -129,11 +129,11 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 
 
 def _fixes(rule: Rule) -> list[str]:
-    return [
-        rule.remedy,
-        f"set CKPT_GUARD_POLICY=fallback: it {rule.fallback}",
-        f"or override this one rule: CKPT_GUARD_RULES={rule.id}=warn (or =off)",
-    ]
+    fixes = [rule.remedy]
+    if rule.fallback_helps:
+        fixes.append(f"set CKPT_GUARD_POLICY=fallback: it {rule.fallback}")
+    fixes.append(f"or override this one rule: CKPT_GUARD_RULES={rule.id}=warn (or =off)")
+    return fixes
 
 
 def build_message(

@@ -56,6 +56,9 @@ class Rule:
     torch_versions: str
     probe: Probe = field(repr=False)
     fallback: str = ""  # what the fallback policy runs instead
+    #: False for drift that only the recompute can see: fallback cannot avoid it
+    #: and raises as strict does, so messages do not suggest it
+    fallback_helps: bool = True
     #: call stage: predicate over CallState
     applies: Optional[Callable[["CallState"], bool]] = field(default=None, repr=False)
     #: recompute stage: the ``_state`` function that reads the state, called in
@@ -501,6 +504,11 @@ def _probe_optimizer_step_before_backward(ckpt, use_reentrant):
     return [loss.detach(), *grads]
 
 
+_UNFORESEEABLE_FALLBACK = (
+    "cannot help: this drift is only visible when the recompute starts, when nothing can "
+    "repair it, so fallback raises as strict does"
+)
+
 _DRIFT_FALLBACK = (
     "runs the function without checkpointing whenever this risk is visible at call time; "
     "a drift first seen at recompute is raised as under strict (nothing can repair it then)"
@@ -631,7 +639,8 @@ _DRIFT_RULES = [
         symptom_by_variant=((NON_REENTRANT, "raises"),),
         raises_match=r"[Rr]ecomputed values for the following tensors have different metadata",
         remedy="restore the default dtype before .backward(), or set it once at program start",
-        fallback=_DRIFT_FALLBACK,
+        fallback=_UNFORESEEABLE_FALLBACK,
+        fallback_helps=False,
         # No upstream thread on this one; the closest: which global state the
         # recompute does restore (autocast), and which it does not.
         refs=("https://github.com/pytorch/pytorch/pull/71169",),
@@ -659,7 +668,8 @@ _DRIFT_RULES = [
         symptom_by_variant=((NON_REENTRANT, "raises"),),
         raises_match=r"different number of tensors was saved",
         remedy="run .backward() before switching modes (model.eval() / model.train())",
-        fallback=_DRIFT_FALLBACK,
+        fallback=_UNFORESEEABLE_FALLBACK,
+        fallback_helps=False,
         # No upstream thread on this one; the closest: which state the recompute restores.
         refs=("https://github.com/pytorch/pytorch/pull/71169",),
         torch_versions="all; measured on 2.13",
@@ -689,7 +699,8 @@ _DRIFT_RULES = [
             "run each backward before the other optimizer steps on parameters it uses, or "
             "do not checkpoint blocks whose parameters are updated in between"
         ),
-        fallback=_DRIFT_FALLBACK,
+        fallback=_UNFORESEEABLE_FALLBACK,
+        fallback_helps=False,
         # No upstream thread on this one; the closest: checkpointing and autograd's
         # in-place (version counter) checks, discussed when checkpoint was added.
         refs=("https://github.com/pytorch/pytorch/pull/4594",),

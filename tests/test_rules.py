@@ -33,7 +33,7 @@ CASES = [
     for variant in rule.variants
 ]
 # Drift that no call-time state reveals: fallback must raise rather than let it through.
-UNFORESEEABLE = {"CKG105", "CKG106", "CKG108"}
+UNFORESEEABLE = {rule.id for rule in RULES if not rule.fallback_helps}
 
 
 def _use_reentrant(variant: str) -> bool:
@@ -72,7 +72,9 @@ def test_strict_raises_this_rule(rule, variant):
     assert f"[{rule.id}]" in message and rule.title in message
     assert "checkpoint called at: " in message and "_rules.py:" in message  # the probe's line
     assert "without the guard torch" in message
-    assert "CKPT_GUARD_POLICY=fallback" in message and f"CKPT_GUARD_RULES={rule.id}=" in message
+    assert f"CKPT_GUARD_RULES={rule.id}=" in message
+    # fallback is suggested only where it helps
+    assert ("CKPT_GUARD_POLICY=fallback" in message) == rule.fallback_helps
     assert [(e.rule_id, e.policy, e.action, e.stage) for e in events] == [
         (rule.id, "strict", "raised", rule.stage)
     ]
@@ -93,6 +95,11 @@ def test_warn_warns_then_behaves_like_torch(rule, variant):
     assert rule.id in ids
     if rule.symptom_for(variant) != "raises":
         assert_all_equal(warned, run_raw(rule.probe, ur))
+
+
+def test_unforeseeable_rules_are_the_expected_ones():
+    """The table's own claim, pinned: these drifts show only at recompute."""
+    assert UNFORESEEABLE == {"CKG105", "CKG106", "CKG108"}
 
 
 @pytest.mark.parametrize("rule, variant", CASES)

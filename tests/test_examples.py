@@ -1,0 +1,25 @@
+"""The examples run and show what they claim (each exits 0 only when it does)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("script, shows", [
+    ("per_sample_grads.py", "[CKG001]"),
+    ("gan_step_order.py", "[CKG108]"),
+])
+def test_example_runs(script, shows):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_GUARD_")}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "examples", script)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert shows in proc.stdout, proc.stdout
