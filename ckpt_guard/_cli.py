@@ -105,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         return _fail(f"{exc} (see '{PROG} --help')")
     try:
+        # A bad CKPT_GUARD_POLICY / CKPT_GUARD_RULES is reported whatever the command.
+        _config.build_config(None, None, read_env=True)
         if args.command is None:
             return _cmd_matrix(as_json=args.json, quiet=args.quiet)
         if args.json:
@@ -178,9 +180,14 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> s
         disagreeing = sorted({f"{r.rule_id if r.kind == 'rule' else r.name} ({r.variant})" for r in rows if not r.agrees})
         lines.append(f"{len(disagreeing)} of {len(rows)} rows disagree with the table: {', '.join(disagreeing)}")
     else:
+        acted = sum(1 for r in rows if r.kind != "rule" and r.fallback_actions)
         lines.append(
             f"all {len(rows)} rows agree with the table on torch {head['torch']}: every rule's symptom "
-            "reproduced and caught, every safe composition left untouched"
+            "reproduced and caught, every safe composition left untouched by strict"
+            + (
+                f" (fallback ran {acted} of them without checkpointing, correctly: a risk it "
+                "cannot rule out when checkpoint is called)" if acted else ""
+            )
         )
     return "\n".join(lines)
 
@@ -291,12 +298,29 @@ def _cmd_explain(rule_id: str) -> int:
     )
     out.append("")
     try:
-        source = inspect.getsource(rule.probe)
+        source = _source_with_helpers(rule.probe)
     except (OSError, TypeError) as exc:
         source = f"<source not available: {exc}>"
-    out.append(textwrap.dedent(source).rstrip())
+    out.append(source)
     print("\n".join(out))
     return 0
+
+
+def _source_with_helpers(function: Any) -> str:
+    """``function``'s source, after that of the module-level helpers it calls (transitively)."""
+    import re
+
+    module = vars(sys.modules[function.__module__])
+    wanted, sources, todo = {function.__name__}, [], [function]
+    while todo:
+        source = textwrap.dedent(inspect.getsource(todo.pop())).rstrip()
+        sources.append(source)
+        for name in re.findall(r"\b(_\w+)\(", source):
+            helper = module.get(name)
+            if name not in wanted and inspect.isfunction(helper) and helper.__module__ == function.__module__:
+                wanted.add(name)
+                todo.append(helper)
+    return "\n\n\n".join(reversed(sources))
 
 
 # --------------------------------------------------------------------------

@@ -128,11 +128,19 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 # messages
 
 
-def _fixes(rule: Rule) -> list[str]:
+def _fixes(rule: Rule, policy: str) -> list[str]:
+    """The rule's remedy, then the policy changes that would help (not the one in force)."""
     fixes = [rule.remedy]
-    if rule.fallback_helps:
-        fixes.append(f"set CKPT_GUARD_POLICY=fallback: it {rule.fallback}")
-    fixes.append(f"or override this one rule: CKPT_GUARD_RULES={rule.id}=warn (or =off)")
+    if rule.fallback_helps and policy != "fallback":
+        fixes.append(
+            f"use the fallback policy (CKPT_GUARD_POLICY=fallback, or wherever your code or "
+            f"pytest options set it): it {rule.fallback}"
+        )
+    others = [p for p in ("warn", "off") if p != policy]
+    fixes.append(
+        f"or set this one rule to {' or '.join(others)}: "
+        + " / ".join(f"CKPT_GUARD_RULES={rule.id}={p}" for p in others)
+    )
     return fixes
 
 
@@ -142,11 +150,14 @@ def build_message(
     site: str,
     transforms: str,
     variant: str,
+    policy: str,
     change: str = "",
     action: str = "",
     forward_site: str = "",
+    anticipated: bool = False,
 ) -> str:
-    lines = [f"[{rule.id}] {rule.title}"]
+    # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
+    lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
     if forward_site:
         lines.append(f"  checkpoint called at: {forward_site}")
         lines.append(f"  recompute reached from: {site}")
@@ -160,7 +171,7 @@ def build_message(
     if action:
         lines.append(f"  ckpt_guard: {action}")
     lines.append("  fix:")
-    lines.extend(f"    - {fix}" for fix in _fixes(rule))
+    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy))
     lines.append(f"  details: python -m ckpt_guard explain {rule.id}")
     return "\n".join(lines)
 
@@ -198,7 +209,7 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
 
     if policy == "strict":
         message = build_message(
-            rule, site=site, transforms=transforms, variant=variant,
+            rule, site=site, transforms=transforms, variant=variant, policy=policy,
             action="raised before running the checkpointed function (policy strict)",
         )
         _events.emit(rule.id, policy, "raised", site, "call")
@@ -219,7 +230,9 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
         else:
             continue
         _events.emit(other.id, other_policy, event, site, "call")
-        _warn(build_message(other, site=site, transforms=transforms, variant=variant, action=action), other)
+        _warn(build_message(
+            other, site=site, transforms=transforms, variant=variant, policy=other_policy, action=action,
+        ), other)
     return outcome
 
 
@@ -492,10 +505,12 @@ def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repair
     if policy == "warn" or (policy == "fallback" and repaired):
         action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
         _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, "recompute")
-        _warn(build_message(rule, action=action, **details), rule)
+        _warn(build_message(rule, policy=policy, action=action, **details), rule)
         return
     unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
-    message = build_message(rule, action=f"raised before the recompute ran (policy {policy}{unforeseen})", **details)
+    message = build_message(
+        rule, policy=policy, action=f"raised before the recompute ran (policy {policy}{unforeseen})", **details,
+    )
     _events.emit(rule.id, policy, "raised", forward_site_text, "recompute")
     raise CheckpointCompositionError(message, rule)
 
@@ -523,9 +538,12 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
         rule, site=site,
         transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
         variant=describe_variant(reentrant, None),
+        policy="fallback",
+        anticipated=True,
         action=(
-            "ran it without checkpointing (policy fallback): the recompute could run after "
-            "this state changed, and then nothing could repair the gradients"
+            "ran it without checkpointing (policy fallback): nothing has gone wrong, but the "
+            "recompute could run after this state changed, and then nothing could repair the "
+            "gradients (policy strict would raise only if that happened)"
         ),
     )
     _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")

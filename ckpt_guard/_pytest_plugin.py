@@ -170,7 +170,14 @@ def pytest_configure(config: pytest.Config) -> None:
         config, "ckpt_guard_rules", _RULES_OPTION, _RULES_ENV, _RULES_INI
     )
     if policy_value is None:
-        return  # not enabled: import nothing, install nothing
+        if rules_value is not None:  # not enabled, but a malformed value still deserves its error
+            from . import _config  # torch-free
+
+            try:
+                _config.parse_rules_spec(rules_value, state.rules_source)
+            except ValueError as exc:
+                raise pytest.UsageError(str(exc)) from None
+        return  # not enabled: install nothing
 
     from . import _config  # torch-free; only now that the guard is enabled
 

@@ -223,7 +223,8 @@ _CALL_RULES = [
         symptom_kind="raises",
         raises_match=r"must override the setup_context staticmethod",
         remedy=(
-            f"{_FIX_NR} (works under vmap, jvp, jacfwd and functionalize), or {_FIX_MOVE}"
+            f"{_FIX_NR} (works under vmap, jvp, jacfwd and functionalize only; under grad, vjp, "
+            f"jacrev or hessian neither variant works, see CKG001), or {_FIX_MOVE}"
         ),
         fallback="runs it with use_reentrant=False when that is safe here, else without checkpointing",
         refs=(
@@ -335,7 +336,7 @@ _CALL_RULES = [
             "segments) that do"
         ),
         symptom=(
-            "silently wrong gradients: torch only warns 'None of the inputs have "
+            "returns silently wrong gradients: torch only warns 'None of the inputs have "
             "requires_grad=True', the output does not require grad, and the block's parameters "
             "get no gradient while the rest of the model trains"
         ),
@@ -531,9 +532,10 @@ _DRIFT_RULES = [
         ),
         symptom_kind="silently wrong",
         remedy=(
-            "call .backward() (or torch.autograd.grad) inside the functional_call, e.g. compute the "
-            "loss and gradients with torch.func.grad(lambda p: loss(functional_call(model, p, x))), "
-            "or disable checkpointing for stateless calls"
+            "call .backward() (or torch.autograd.grad) while the functional_call is still active, "
+            "e.g. inside a module whose forward computes the loss and its gradients, or disable "
+            "checkpointing for stateless calls (torch.func.grad over functional_call needs that "
+            "too: see CKG001/CKG002)"
         ),
         fallback=_DRIFT_FALLBACK,
         refs=(

@@ -213,6 +213,13 @@ def test_rules_bad_environment_exits_2(tmp_path, var, value, needle):
     assert_one_line_usage_error(result, needle, var)
 
 
+def test_matrix_bad_environment_exits_2_before_running(tmp_path):
+    """The matrix sets its own policies, but a mistyped CKPT_GUARD_POLICY is still reported."""
+    result = cli(cwd=tmp_path, env=_env(CKPT_GUARD_POLICY="strcit"))
+    assert_one_line_usage_error(result, "'strcit'", "CKPT_GUARD_POLICY")
+    assert "CKG001" not in result.stdout  # no row ran
+
+
 def test_explain_prints_rule_and_probe_source(tmp_path):
     result = cli("explain", "ckg001", cwd=tmp_path)  # ids are case-insensitive
     assert result.returncode == 0, result.stderr

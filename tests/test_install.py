@@ -386,3 +386,17 @@ def test_install_uninstall_from_threads_while_training():
     assert tuc._checkpoint_without_reentrant_generator.__name__ == "_checkpoint_without_reentrant_generator"
     assert not hasattr(tuc._checkpoint_without_reentrant_generator, "__ckpt_guard_original__")
     assert not hasattr(stateless._reparametrize_module.__closure__[0].cell_contents, "__ckpt_guard_original__")
+
+
+def test_errors_and_warnings_are_public_and_picklable():
+    """Tracebacks name ckpt_guard.CheckpointCompositionError; both survive pickling
+    (multiprocessing and distributed launchers send exceptions between processes)."""
+    import pickle
+
+    from ckpt_guard._rules import rule_by_id
+
+    for cls, rule_id in ((ckpt_guard.CheckpointCompositionError, "CKG108"),
+                         (ckpt_guard.CheckpointCompositionWarning, "CKG001")):  # CKG001 holds a lambda
+        assert f"{cls.__module__}.{cls.__qualname__}" == f"ckpt_guard.{cls.__name__}"
+        copy = pickle.loads(pickle.dumps(cls("the message", rule_by_id(rule_id))))
+        assert type(copy) is cls and str(copy) == "the message" and copy.rule is rule_by_id(rule_id)

@@ -333,7 +333,7 @@ def test_real_decisions_strict_option_and_events_fixture(pytester):
     result.stdout.fnmatch_lines(
         [
             "ckpt_guard: strict (from --ckpt-guard)",
-            "E * ckpt_guard._exceptions.CheckpointCompositionError: [[]CKG001[]] *",
+            "E * ckpt_guard.CheckpointCompositionError: [[]CKG001[]] *",
             "FAILED test_compose.py::test_strict_session_fails - *",
         ]
     )
@@ -389,6 +389,13 @@ def test_real_decisions_strict_option_and_events_fixture(pytester):
             "ckpt_guard = warn\nckpt_guard_rules = CKG999=warn",
             "ckpt_guard: unknown rule id 'CKG999' from ini option ckpt_guard_rules;*",
             id="unknown-rule-ini",
+        ),
+        pytest.param(
+            ["--ckpt-guard-rules=CKG999=warn"],
+            {},
+            None,
+            "ckpt_guard: unknown rule id 'CKG999' from --ckpt-guard-rules;*",
+            id="unknown-rule-without-policy",
         ),
     ],
 )

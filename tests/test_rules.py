@@ -310,3 +310,36 @@ def test_user_exception_passes_through_the_rng_watch(use_reentrant):
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(Boom, match="from the user's function"):
         torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant, preserve_rng_state=False)
+
+
+def test_fix_hints_never_suggest_the_policy_in_force():
+    loss = _per_sample_loss([], use_reentrant=False)
+    for policy in ("warn", "fallback"):
+        with ckpt_guard.policy(policy), pytest.warns(CheckpointCompositionWarning) as record, warnings.catch_warnings():
+            try:
+                torch.func.grad(loss)(torch.randn(3))
+            except RuntimeError:
+                pass  # warn: torch's own error follows
+        message = str(next(w.message for w in record if issubclass(w.category, CheckpointCompositionWarning)))
+        assert f"CKG001={policy}" not in message
+        assert ("CKPT_GUARD_POLICY=fallback" in message) == (policy != "fallback")
+
+
+def test_fallback_acting_on_a_risk_says_so():
+    """Fallback runs without checkpointing when a swap is active: the warning says it is a risk."""
+    model = _Wrapper(torch.nn.Linear(3, 3))
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning) as record:
+        out = torch.func.functional_call(model, params, (torch.randn(2, 3),))
+    message = str(record[0].message)
+    assert message.startswith("[CKG101] risk: ") and "nothing has gone wrong" in message
+    assert out.requires_grad
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
