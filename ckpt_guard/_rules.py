@@ -193,8 +193,7 @@ _CALL_RULES = [
         symptom_kind="raises",
         raises_match=r"don't yet support saved tensor hooks",
         remedy=(
-            f"{_FIX_MOVE}, or drop checkpointing inside it (policy 'fallback' runs the block "
-            "without checkpointing: correct gradients, no memory saving for this block)"
+            f"{_FIX_MOVE}, or drop checkpointing inside it"
         ),
         fallback="runs the function without checkpointing (correct, no memory saving for it)",
         refs=(
@@ -311,7 +310,7 @@ _CALL_RULES = [
         raises_match=r"saved tensor hooks are disabled here",
         remedy=(
             "checkpoint outside the disable_saved_tensors_hooks block, or run this block without "
-            "checkpointing (policy 'fallback' does that)"
+            "checkpointing"
         ),
         fallback="runs the function without checkpointing (correct, no memory saving for it)",
         refs=("https://github.com/pytorch/pytorch/pull/85971",),
