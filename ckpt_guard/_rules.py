@@ -240,9 +240,10 @@ _CALL_RULES = [
         stage="call",
         variants=(NON_REENTRANT,),
         trigger=(
-            "checkpoint(use_reentrant=False) under vmap (and no grad transform) with grad enabled "
-            "while its inputs or the parameters inside (of modules in training mode) require grad: "
-            "a later .backward() outside the vmap must recompute a vmapped function outside the vmap"
+            "checkpoint(use_reentrant=False) under vmap (and no grad transform; jacfwd runs "
+            "vmap over jvp) with grad enabled while its inputs or the parameters inside (of "
+            "modules in training mode) require grad: a later .backward() outside the vmap must "
+            "recompute a vmapped function outside the vmap"
         ),
         symptom=(
             "raises at backward: RuntimeError: Either your tensor may have escaped from inside a "
@@ -252,8 +253,8 @@ _CALL_RULES = [
         raises_match=r"escaped from inside a function being vmapped",
         remedy=(
             "compute gradients inside the transform (torch.func.grad / vjp under vmap needs no "
-            "checkpointing), or checkpoint outside the vmap, or run the vmap under torch.no_grad() "
-            "if no backward is intended"
+            "checkpointing), or checkpoint outside the vmap (or jacfwd), or run it under "
+            "torch.no_grad() if no backward is intended"
         ),
         fallback="runs the function without checkpointing (correct, no memory saving for it)",
         refs=(
