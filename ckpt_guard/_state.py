@@ -58,7 +58,6 @@ saved_tensor_hooks_enabled: Callable[[], bool] = (
     torch._C._autograd._saved_tensors_hooks_is_enabled
 )
 is_grad_enabled = torch.is_grad_enabled
-is_compiling = torch.compiler.is_compiling
 Tensor = torch.Tensor
 Module = torch.nn.Module
 
