@@ -347,8 +347,10 @@ def parameters_used_by(function: object) -> tuple[list[Tensor], list[list[Tensor
             continue
         seen.add(id(obj))
         if isinstance(obj, Module):
-            params = list(obj.parameters())
-            surely.extend(params) if whole else maybe.append(params)
+            if whole:
+                surely.extend(obj.parameters())
+            else:
+                maybe.append(list(obj.parameters()))
         elif isinstance(obj, Tensor):
             surely.append(obj)
         elif isinstance(obj, functools.partial):
