@@ -105,8 +105,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         return _fail(f"{exc} (see '{PROG} --help')")
     try:
-        # A bad CKPT_GUARD_POLICY / CKPT_GUARD_RULES is reported whatever the command.
-        _config.build_config(None, None, read_env=True)
+        if args.command != "run":
+            # A bad CKPT_GUARD_POLICY / CKPT_GUARD_RULES is reported even where the
+            # command does not use it ('run' reads it only where no flag overrides it).
+            _config.build_config(None, None, read_env=True)
         if args.command is None:
             return _cmd_matrix(as_json=args.json, quiet=args.quiet)
         if args.json:

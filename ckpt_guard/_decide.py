@@ -129,12 +129,22 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 
 
 def _fixes(rule: Rule, policy: str) -> list[str]:
-    """The rule's remedy, then the policy changes that would help (not the one in force)."""
+    """The rule's remedy, then the policy changes that would help (not the one in force).
+
+    Per-rule settings are shown because they win over any base policy; the
+    base policy may come from the environment, code or pytest options.
+    """
     fixes = [rule.remedy]
     if rule.fallback_helps and policy != "fallback":
         fixes.append(
-            f"use the fallback policy (CKPT_GUARD_POLICY=fallback, or wherever your code or "
-            f"pytest options set it): it {rule.fallback}"
+            f"use fallback for this rule, CKPT_GUARD_RULES={rule.id}=fallback (or fallback for "
+            f"all rules: CKPT_GUARD_POLICY=fallback, or where your code or pytest options set "
+            f"the policy): it {rule.fallback}"
+        )
+    if policy == "fallback":  # a risk seen at call time: strict keeps checkpointing
+        fixes.append(
+            f"or keep checkpointing and raise only if the drift really happens: "
+            f"CKPT_GUARD_RULES={rule.id}=strict"
         )
     others = [p for p in ("warn", "off") if p != policy]
     fixes.append(

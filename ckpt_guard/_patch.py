@@ -25,7 +25,8 @@ Smaller patches feed the messages and the drift rules:
   swap behind ``torch.func.functional_call``) is wrapped through the closure
   cell of its ``@contextmanager`` wrapper, so parameter swaps become visible
   while the function object dynamo recognises stays the same;
-* a global optimizer pre-step hook counts optimizer steps (CKG108).
+* global optimizer pre- and post-step hooks count optimizer steps and what
+  they updated (CKG108).
 
 And dynamo is told to skip the guard's files, as it skips torch's own
 checkpoint internals.
@@ -299,16 +300,19 @@ def _patch_reparametrize() -> None:
 
 
 def _watch_optimizer_steps() -> None:
-    """A global optimizer pre-step hook counts steps for the drift rule CKG108."""
+    """Global optimizer step hooks count steps, and what they updated, for CKG108."""
     from . import _state
 
     try:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     except ImportError as exc:
-        _warn_unguarded("torch.optim.optimizer.register_optimizer_step_pre_hook", str(exc))
+        _warn_unguarded("torch.optim.optimizer's global step hooks", str(exc))
         return
-    handle = register_optimizer_step_pre_hook(_state.note_optimizer_step)
-    _applied.append(handle.remove)
+    for handle in (
+        register_optimizer_step_pre_hook(_state.note_step_start),
+        register_optimizer_step_post_hook(_state.note_step_end),
+    ):
+        _applied.append(handle.remove)
 
 
 # The guard's code that runs inside a checkpoint call.  Dynamo must never

@@ -96,6 +96,7 @@ class _SessionState:
         self.active = False
         self.installed_by_plugin = False
         self.previous_config: Any = None  # a Config to restore, if one was installed before
+        self.ignored_error: Optional[str] = None  # why ignored overrides were malformed
 
 
 _STATE_KEY = pytest.StashKey[_SessionState]()
@@ -170,13 +171,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config, "ckpt_guard_rules", _RULES_OPTION, _RULES_ENV, _RULES_INI
     )
     if policy_value is None:
-        if rules_value is not None:  # not enabled, but a malformed value still deserves its error
+        if rules_value is not None:  # not enabled: the overrides are ignored, but checked
             from . import _config  # torch-free
 
             try:
                 _config.parse_rules_spec(rules_value, state.rules_source)
             except ValueError as exc:
-                raise pytest.UsageError(str(exc)) from None
+                if state.rules_source == _RULES_OPTION:
+                    raise pytest.UsageError(str(exc)) from None  # given for this very run
+                # a leftover environment or ini value must not stop an unguarded session
+                state.ignored_error = str(exc)
         return  # not enabled: install nothing
 
     from . import _config  # torch-free; only now that the guard is enabled
@@ -228,6 +232,8 @@ def pytest_report_header(config: pytest.Config) -> str:
                 f" (overrides from {state.rules_source} ignored: no policy from "
                 f"{_POLICY_OPTION}, {_POLICY_ENV} or ini option {_POLICY_INI})"
             )
+            if state.ignored_error:
+                line += f"; and malformed: {state.ignored_error}"
         return line
     sources: List[str] = [s for s in (state.policy_source, state.rules_source) if s]
     line = f"ckpt_guard: {state.description} (from {', '.join(dict.fromkeys(sources))})"

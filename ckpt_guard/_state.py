@@ -22,9 +22,9 @@ Parameter swaps (``torch.func.functional_call``) leave no trace in torch's
 state, so ``_patch`` wraps the generator inside
 ``torch.nn.utils.stateless._reparametrize_module`` with
 :func:`tracked_reparametrize`, which keeps :data:`_active_swaps` current.
-Optimizer steps are counted by a global optimizer pre-step hook
-(:func:`note_optimizer_step`), which also remembers the versions of the
-parameters each step is about to update.
+Optimizer steps are counted by global optimizer pre- and post-step hooks
+(:func:`note_step_start`, :func:`note_step_end`), which also log which
+parameters each step updated.
 
 A drift reader may also carry a ``relevant(function, was, now)`` attribute:
 asked only once its value changed, it says whether the change can reach the
@@ -245,9 +245,10 @@ def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]])
 
     @functools.wraps(original_generator)
     def tracked_reparametrize(module, *args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # Dynamo traces this generator like torch's own (it reads the call
-            # above as True): just torch's swap, nothing dynamo cannot trace.
+            # above as True; eager code, even while another thread compiles,
+            # reads False): just torch's swap, nothing dynamo cannot trace.
             # A compiled graph has no checkpoint recompute to drift from.
             with original_cm(module, *args, **kwargs) as value:
                 yield value
@@ -285,18 +286,32 @@ _optimizer_steps = [0]
 #: ``optimizer_steps()``: how many optimizer steps were taken, process-wide; a
 #: builtin call, because the capture runs on every checkpoint call.
 optimizer_steps = functools.partial(_optimizer_steps.__getitem__, 0)
-# The latest steps, oldest first: (step number, {id(parameter): its _version
-# just before the step, or UPDATED_UNVERSIONED}).  Ids are safe to compare: an
-# entry is only consulted for parameters alive since before that step.
+# The latest steps, oldest first: (step number, ids of the parameters that
+# step updated).  Ids are safe to compare: an entry is only consulted for
+# parameters alive since before that step.
 _step_log: collections.deque = collections.deque(maxlen=64)
 _step_lock = threading.Lock()
-#: a fused optimizer updates parameters without bumping their version: a
-#: parameter with a gradient in a fused group counts as updated
-UPDATED_UNVERSIONED = -1
+# id(optimizer) -> the parameters' versions just before its running step
+_steps_running: dict[int, list[tuple[Tensor, Optional[int]]]] = {}
 
 
-def note_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Global optimizer pre-step hook: count the step, note its parameters' versions.
+def _parameters_before_step(optimizer: Any) -> list[tuple[Tensor, Optional[int]]]:
+    """(parameter, its version) for each parameter the step may update.
+
+    A fused optimizer updates parameters without bumping their version: there
+    a parameter with a gradient counts as updated (version None).
+    """
+    noted = []
+    for group in optimizer.param_groups:
+        fused = bool(group.get("fused"))
+        for p in group.get("params", ()):
+            if isinstance(p, Tensor) and not (fused and p.grad is None):
+                noted.append((p, None if fused else p._version))
+    return noted
+
+
+def note_step_start(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer pre-step hook: note the versions of the parameters.
 
     One pass over the optimizer's parameters per step (tens of µs for
     hundreds of tensors), nothing per checkpoint call beyond reading the count.
@@ -305,24 +320,30 @@ def note_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     Under ``torch.compile`` dynamo traces this and reads the first line as
     True: a compiled step adds no graph break and is not counted.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return
-    versions: dict[int, int] = {}
     try:
-        for group in optimizer.param_groups:
-            fused = bool(group.get("fused"))
-            for p in group.get("params", ()):
-                if isinstance(p, Tensor):
-                    if fused:
-                        if p.grad is not None:
-                            versions[id(p)] = UPDATED_UNVERSIONED
-                    else:
-                        versions[id(p)] = p._version
+        noted = _parameters_before_step(optimizer)
     except Exception:  # noqa: BLE001 - a hook must not break the user's step
-        versions = {}
+        noted = []
+    with _step_lock:
+        _steps_running[id(optimizer)] = noted
+
+
+def note_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer post-step hook: count the step, log what it updated.
+
+    Only parameters whose version this very step changed are logged, so an
+    in-place change made elsewhere (an EMA swap, say) is not blamed on it.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return
+    with _step_lock:
+        noted = _steps_running.pop(id(optimizer), [])
+    updated = frozenset(id(p) for p, before in noted if before is None or p._version != before)
     with _step_lock:
         _optimizer_steps[0] += 1
-        _step_log.append((_optimizer_steps[0], versions))
+        _step_log.append((_optimizer_steps[0], updated))
 
 
 _CALL_METHODS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
@@ -333,9 +354,9 @@ def parameters_used_by(function: object) -> tuple[list[Tensor], list[list[Tensor
 
     Surely: an ``nn.Module`` (or its ``forward``/``__call__``) is run whole, and
     a tensor captured by a closure or bound by a ``partial`` is used as is.
-    Maybe: a module a closure captures, or whose other method is checkpointed
-    (``checkpoint(self.generate, z)``), may be used only in part: a GAN's
-    parent module holds both players.
+    Maybe: a module a closure captures or a ``partial`` binds, or whose other
+    method is checkpointed (``checkpoint(self.generate, z)``), may be used only
+    in part: a GAN's parent module holds both players.
     """
     surely: list[Tensor] = []
     maybe: list[list[Tensor]] = []
@@ -354,7 +375,10 @@ def parameters_used_by(function: object) -> tuple[list[Tensor], list[list[Tensor
         elif isinstance(obj, Tensor):
             surely.append(obj)
         elif isinstance(obj, functools.partial):
-            todo.extend((o, whole) for o in (obj.func, *obj.args, *obj.keywords.values()))
+            # the function runs as its own; a bound argument (a parent module,
+            # as in partial(GAN.generate, gan)) may be used only in part
+            todo.append((obj.func, whole))
+            todo.extend((o, False) for o in (*obj.args, *obj.keywords.values()))
         elif type(obj) is _MethodType and isinstance(obj.__self__, Module):
             todo.append((obj.__self__, whole and obj.__func__.__name__ in _CALL_METHODS))
         elif obj is function and getattr(obj, "__closure__", None):
@@ -376,23 +400,15 @@ def _steps_relevant(function: object, was: int, now: int) -> bool:
     cannot see at all (a module hidden in a dict) count as untouched.
     """
     with _step_lock:
-        steps = [versions for number, versions in _step_log if was < number <= now]
-    if not steps:
+        updated = frozenset().union(*(ids for number, ids in _step_log if was < number <= now))
+    if not updated:
         return False
-
-    def updated(p: Tensor) -> bool:
-        for versions in steps:
-            before = versions.get(id(p))
-            if before is not None and (before == UPDATED_UNVERSIONED or p._version != before):
-                return True
-        return False
-
     surely, maybe = parameters_used_by(function)
-    if any(updated(p) for p in surely):
+    if any(id(p) in updated for p in surely):
         return True
     for params in maybe:
         trainable = [p for p in params if p.requires_grad]
-        if trainable and all(updated(p) for p in trainable):
+        if trainable and all(id(p) in updated for p in trainable):
             return True
     return False
 

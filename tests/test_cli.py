@@ -213,6 +213,16 @@ def test_rules_bad_environment_exits_2(tmp_path, var, value, needle):
     assert_one_line_usage_error(result, needle, var)
 
 
+def test_run_flags_override_a_bad_environment(tmp_path):
+    """'run --policy/--rules' win over the environment, so a bad value there is not read."""
+    script = tmp_path / "prog.py"
+    script.write_text("import ckpt_guard; print(ckpt_guard.current_config())\n")
+    env = _env(CKPT_GUARD_POLICY="fallbak", CKPT_GUARD_RULES="CKG999=warn")
+    result = cli("run", "--policy", "strict", "--rules", "CKG001=warn", str(script), cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "strict" in result.stdout and "CKG001=warn" in result.stdout
+
+
 def test_matrix_bad_environment_exits_2_before_running(tmp_path):
     """The matrix sets its own policies, but a mistyped CKPT_GUARD_POLICY is still reported."""
     result = cli(cwd=tmp_path, env=_env(CKPT_GUARD_POLICY="strcit"))

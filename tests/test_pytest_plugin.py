@@ -431,3 +431,15 @@ def test_entry_point_registered_and_autoloaded(pytester):
     result = pytester.runpytest_subprocess(*QUIET_ARGS)  # no "-p ckpt_guard": autoloaded
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["ckpt_guard: not enabled"])
+
+
+def test_malformed_leftover_overrides_do_not_stop_an_unguarded_session(pytester, monkeypatch):
+    """A bad CKPT_GUARD_RULES without any policy: the session runs, the header says why."""
+    monkeypatch.setenv("CKPT_GUARD_RULES", "CKG999=warn")
+    pytester.makepyfile(test_runs="def test_x(): pass")
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines([
+        "ckpt_guard: not enabled (overrides from environment variable CKPT_GUARD_RULES ignored: *"
+        "; and malformed: ckpt_guard: unknown rule id 'CKG999'*",
+    ])
