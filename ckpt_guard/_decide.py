@@ -352,6 +352,7 @@ _scoped_config = _config.scoped_config
 _getframe = sys._getframe
 _torch_compiler = _torch.compiler
 _peek_interpreter_stack = _state.peek_interpreter_stack
+_len_dispatch_stack = _state._len_dispatch_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
@@ -389,10 +390,13 @@ def prepare_call(
     state queries, ~0.5 µs the capture, ~0.4 µs the call site and ~0.4 µs the
     recompute handle (``benchmarks/overhead.py`` measures the total).
     """
-    # Inlined: _config.current() and torch.compiler.is_compiling() (its flag:
-    # dynamo never traces this file, see _patch._skip_in_dynamo).
+    # Inlined: _config.current(), and torch.compiler.is_compiling() as its flag
+    # (dynamo never traces this file, see _patch._skip_in_dynamo).  The flag is
+    # process-wide; AOT/export tracing on *this* thread also has its fake and
+    # proxy modes on this thread's dispatch stack, so another thread's
+    # compilation does not switch the guard off here.
     config = _scoped_config() or _config._installed
-    if not config.active or _torch_compiler._is_compiling_flag:
+    if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
         return STEP_ASIDE
     grad = _is_grad_enabled()
     # Inlined call_is_quiet for the usual non-reentrant call with grad on.

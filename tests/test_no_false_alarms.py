@@ -473,3 +473,20 @@ def test_uninstall_restores_composable_imported_after_install():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_another_threads_compilation_does_not_switch_the_guard_off(strict_guard):
+    """torch's "compiling" flag is process-wide: while it is set for another thread's
+    compilation, an eager checkpoint here (no fake/proxy modes on this thread) is still guarded."""
+    import torch.compiler as torch_compiler
+
+    from ckpt_guard import CheckpointCompositionError
+
+    previous = torch_compiler._is_compiling_flag
+    torch_compiler._is_compiling_flag = True  # as torch.compile holds it, on some other thread
+    try:
+        with pytest.raises(CheckpointCompositionError) as info:
+            torch.func.grad(lambda t: tuc.checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
+    finally:
+        torch_compiler._is_compiling_flag = previous
+    assert info.value.rule.id == "CKG001"
