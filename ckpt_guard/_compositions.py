@@ -663,9 +663,12 @@ def _probe_gan_other_player_steps(ckpt, use_reentrant):
 
 
 def _probe_gan_parent_method(ckpt, use_reentrant):
-    """GAN-style with one parent module holding both players: ``checkpoint(gan.generate, z)``,
-    then the discriminator's step before the generator's backward.  The method may use
-    any part of the parent; the generator's parameters are untouched (CKG108 stays quiet)."""
+    """GAN-style with one parent module holding both players, checkpointed as
+    ``gan.generate``, ``partial(GAN.generate, gan)`` and ``partial(gan.generate)``; each
+    time the discriminator steps before the generator's backward.  These may use any
+    part of the parent; the generator's parameters are untouched (CKG108 stays quiet)."""
+    import functools
+
     import torch
 
     class GAN(torch.nn.Module):
@@ -679,12 +682,16 @@ def _probe_gan_parent_method(ckpt, use_reentrant):
     torch.manual_seed(0)
     gan = GAN()
     d_optimizer = torch.optim.SGD(gan.discriminator.parameters(), lr=0.1)
-    z = torch.randn(4, 8, requires_grad=True)
-    fake = ckpt(gan.generate, z, **_variant_kwargs(use_reentrant))
-    gan.discriminator(fake.detach()).pow(2).mean().backward()
-    d_optimizer.step()
-    fake.sin().sum().backward()
-    return [fake.detach(), *_grads(*gan.generator.parameters())]
+    results = []
+    for function in (gan.generate, functools.partial(GAN.generate, gan), functools.partial(gan.generate)):
+        gan.generator.zero_grad()
+        z = torch.randn(4, 8, requires_grad=True)
+        fake = ckpt(function, z, **_variant_kwargs(use_reentrant))
+        gan.discriminator(fake.detach()).pow(2).mean().backward()
+        d_optimizer.step()
+        fake.sin().sum().backward()
+        results += [fake.detach(), *_grads(*gan.generator.parameters())]
+    return results
 
 
 def _probe_optimizer_step_skips_block(ckpt, use_reentrant):
@@ -827,7 +834,7 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
     ),
     Composition(
         name="gan-parent-method",
-        description="checkpoint(gan.generate, z) on a parent holding both players; the other player steps",
+        description="checkpoint(gan.generate, z), also through partials, on a parent holding both players; the other player steps",
         variants=BOTH,
         probe=_probe_gan_parent_method,
     ),
