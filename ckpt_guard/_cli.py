@@ -158,6 +158,7 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> s
     yes, no, dash = ("✓", "✗", "—") if unicode else ("yes", "NO", "-")
     cuda = head["cuda_used"]
     lines = [
+        f"interception {head['interception']}",
         f"ckpt_guard {head['ckpt_guard']}",
         f"torch      {head['torch']}",
         f"Python     {head['python']}",
@@ -176,6 +177,10 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> s
         ])
     lines += _table(headers, cells)
     lines.append("")
+    if head.get("not_on_this_torch"):
+        lines.append(f"not measured on torch {head['torch']} (outside the releases their claim holds on):")
+        lines += [f"  {line}" for line in head["not_on_this_torch"]]
+        lines.append("")
     found = _matrix.problems(rows)
     if found:
         lines += [line if unicode else line.replace("—", dash).replace("…", "...") for line in found]

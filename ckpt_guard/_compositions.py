@@ -18,6 +18,11 @@ is not.
 
 ``KNOWN_FALSE_ALARMS`` holds compositions torch also gets right but on which the
 guard is not (yet) silent; the tests run them as strict xfails.
+
+A composition is safe on the torch releases in its ``torch_range``.  Where it
+is not (torch < 2.12 raises under vmap, jvp, jacfwd and functionalize), the
+rule named by ``otherwise`` must explain it instead: the matrix and the tests
+then run the probe as one more case of that rule.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from ._rules import NON_REENTRANT, REENTRANT, _grads, _variant_kwargs
+from ._versions import ALL, TorchRange, Version
 
 __all__ = ["Composition", "SAFE_COMPOSITIONS", "KNOWN_FALSE_ALARMS"]
 
@@ -38,6 +44,13 @@ class Composition:
     description: str
     variants: tuple[str, ...]
     probe: Callable[[Callable[..., Any], Optional[bool]], Sequence[Any]] = field(repr=False)
+    #: the torch releases on which torch gets it right (measured)
+    torch_range: TorchRange = ALL
+    #: the rule that catches it where torch does not get it right ("" if none is needed)
+    otherwise: str = ""
+
+    def holds_on(self, version: Version) -> bool:
+        return version in self.torch_range
 
 
 def _probe_training_step(ckpt, use_reentrant):
@@ -711,6 +724,9 @@ def _probe_optimizer_step_skips_block(ckpt, use_reentrant):
     return [y.detach(), other.detach().clone(), *_grads(x, *block.parameters())]
 
 
+# torch < 2.12 refuses non-reentrant checkpoint under vmap, jvp and functionalize (CKG007)
+_SINCE_2_12 = TorchRange(since=(2, 12))
+
 SAFE_COMPOSITIONS: tuple[Composition, ...] = (
     Composition(
         name="training-step",
@@ -753,24 +769,32 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         description="torch.func.jvp over a checkpointed pure function, nothing requires grad",
         variants=(NON_REENTRANT,),
         probe=_probe_jvp,
+        torch_range=_SINCE_2_12,
+        otherwise="CKG007",
     ),
     Composition(
         name="jacfwd",
         description="torch.func.jacfwd over a checkpointed pure function, nothing requires grad",
         variants=(NON_REENTRANT,),
         probe=_probe_jacfwd,
+        torch_range=_SINCE_2_12,
+        otherwise="CKG007",
     ),
     Composition(
         name="vmap-forward",
         description="torch.func.vmap over a checkpointed pure function, nothing requires grad",
         variants=(NON_REENTRANT,),
         probe=_probe_vmap_pure,
+        torch_range=_SINCE_2_12,
+        otherwise="CKG007",
     ),
     Composition(
         name="functionalize",
         description="torch.func.functionalize over a checkpointed function that mutates a temporary",
         variants=(NON_REENTRANT,),
         probe=_probe_functionalize,
+        torch_range=_SINCE_2_12,
+        otherwise="CKG007",
     ),
     Composition(
         name="no-grad",
@@ -807,6 +831,7 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         description="selective checkpointing: context_fn=create_selective_checkpoint_contexts([aten.mm])",
         variants=(NON_REENTRANT,),
         probe=_probe_selective,
+        torch_range=TorchRange(since=(2, 5)),  # create_selective_checkpoint_contexts is new in 2.5
     ),
     Composition(
         name="autocast",
@@ -885,6 +910,8 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         description="vmap over a checkpointed module with trainable parameters, under torch.no_grad()",
         variants=(NON_REENTRANT,),
         probe=_probe_vmap_no_grad,
+        torch_range=_SINCE_2_12,
+        otherwise="CKG007",
     ),
     Composition(
         name="frozen-block",
@@ -947,5 +974,7 @@ KNOWN_FALSE_ALARMS: tuple[Composition, ...] = (
         description="vmap over a checkpointed module with trainable parameters, grad mode on, no backward",
         variants=(NON_REENTRANT,),
         probe=_probe_vmap_module_forward,
+        torch_range=_SINCE_2_12,
+        otherwise="CKG007",
     ),
 )

@@ -9,8 +9,12 @@ fires, so it may be slow and thorough.
 
 from __future__ import annotations
 
+import contextlib
+import dis
+import functools
 import os
 import sys
+import threading
 import warnings
 from dataclasses import replace
 from functools import partial as _partial
@@ -20,9 +24,15 @@ from typing import Any, Optional
 import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _config, _events, _state
+from . import _config, _events, _layouts, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
-from ._rules import CALL_RULES, DRIFT_RULES, NON_REENTRANT, REENTRANT, RNG_RULE as _RNG_RULE, Rule
+from ._rules import CALL_RULES, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
+
+#: The installed torch, and the call-time rules whose claim holds on it (in table order).
+TORCH = _versions.installed()
+CALL_RULES_HERE = rules_on(TORCH, CALL_RULES)
+# per drift rule (DRIFT_RULES order): does its claim hold on this torch?
+_DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
 
 # What a call-time decision asks the patch point to do.
 PROCEED = "proceed"  # run torch's checkpoint as asked
@@ -37,13 +47,21 @@ _is_grad_enabled = _state.is_grad_enabled
 # where the user called checkpoint
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# The guard's machinery; probes in _rules.py count as user code.
+# The guard's machinery; probes in _rules.py and _compositions.py count as user code.
 _OWN_FILES = frozenset(
     os.path.join(_PACKAGE_DIR, name)
-    for name in ("_patch.py", "_decide.py", "_state.py", "_config.py", "_events.py", "__init__.py")
+    for name in (
+        "__init__.py", "_config.py", "_decide.py", "_events.py", "_hooks.py", "_layouts.py", "_patch.py",
+        "_state.py", "_versions.py",
+    )
 )
 _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or "")) + os.sep
-_STDLIB_HELPERS = ("contextlib.py", "functools.py", "threading.py")
+# The standard library's helpers that sit between a user's call and checkpoint
+# (functools.partial, contextlib decorators, threads), by their own paths: a
+# user file named my_functools.py is the user's.
+_STDLIB_HELPERS = frozenset(
+    os.path.abspath(module.__file__) for module in (contextlib, functools, threading) if module.__file__
+)
 
 
 _library_codes: dict = {}
@@ -55,7 +73,7 @@ def _is_library_code(code: Any) -> bool:
     if known is None:
         filename = code.co_filename
         known = _library_codes[code] = (
-            filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename.endswith(_STDLIB_HELPERS)
+            filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename in _STDLIB_HELPERS
         )
     return known
 
@@ -86,23 +104,15 @@ def _format_site(code: Any, line: int) -> str:
 DEFAULTED_MARK = "__ckpt_guard_use_reentrant_defaulted__"
 
 
-def _checkpoint_codes() -> tuple:
-    import inspect
-
-    import torch.utils.checkpoint as tuc
-
-    # checkpoint is wrapped by torch._disable_dynamo: look for the inner function's frame.
-    return tuple(inspect.unwrap(f).__code__ for f in (tuc.checkpoint, tuc.checkpoint_sequential))
-
-
 def use_reentrant_defaulted() -> Optional[bool]:
     """Whether the checkpoint call on this stack got ``use_reentrant`` by default.
 
-    ``_patch`` marks the frame of ``checkpoint`` / ``checkpoint_sequential``
-    when torch warns that ``use_reentrant`` was not passed.  ``None`` when no
-    such frame is on the stack (the composable API, for example).
+    ``_patch`` marks the frame that warns (``checkpoint`` or
+    ``_checkpoint_impl``, ``checkpoint_sequential``) when torch warns that
+    ``use_reentrant`` was not passed.  ``None`` when no such frame is on the
+    stack (the composable API, for example).
     """
-    codes = _checkpoint_codes()
+    codes = _layouts.default_warning_codes(_torch_checkpoint)
     frame: Optional[FrameType] = sys._getframe(1)
     found = False
     while frame is not None:
@@ -197,7 +207,18 @@ def _warn(message: str, rule: Rule) -> None:
 
 
 def _nothing_fires(state: _state.CallState) -> bool:
-    return not any(rule.applies(state) for rule in CALL_RULES)  # type: ignore[misc]
+    return not any(rule.applies(state) for rule in CALL_RULES_HERE)  # type: ignore[misc]
+
+
+def applying_rules(state: _state.CallState) -> list:
+    """The call-time rules that hold on this torch and apply to ``state``.
+
+    A rule that ``yields_to`` another one that applies too is left out: the
+    other explains this composition on this torch.
+    """
+    applying = [rule for rule in CALL_RULES_HERE if rule.applies(state)]  # type: ignore[misc]
+    ids = {rule.id for rule in applying}
+    return [rule for rule in applying if not ids.intersection(rule.yields_to)]
 
 
 def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Config) -> str:
@@ -205,8 +226,8 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     state = _state.read_call_state(reentrant, function, args)
     firing = [
         (rule, config.policy_for(rule.id))
-        for rule in CALL_RULES
-        if config.policy_for(rule.id) != "off" and rule.applies(state)  # type: ignore[misc]
+        for rule in applying_rules(state)
+        if config.policy_for(rule.id) != "off"
     ]
     if not firing:
         return PROCEED
@@ -339,10 +360,11 @@ def _describe_forward_site(site: tuple) -> str:
     if code is None:
         return "<unknown: no user frame on the forward's stack>"
     line = code.co_firstlineno
-    for start, end, number in code.co_lines():
-        if start <= lasti < end and number is not None:
-            line = number
+    for start, number in dis.findlinestarts(code):  # (offset, line), in offset order
+        if start > lasti:
             break
+        if number is not None:
+            line = number
     return _format_site(code, line)
 
 
@@ -356,6 +378,7 @@ _len_dispatch_stack = _state._len_dispatch_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
+_forward_ad = _state.forward_ad
 
 
 class RngWatch:
@@ -400,7 +423,10 @@ def prepare_call(
         return STEP_ASIDE
     grad = _is_grad_enabled()
     # Inlined call_is_quiet for the usual non-reentrant call with grad on.
-    if reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled():
+    if (
+        reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled()
+        or _forward_ad._current_level >= 0
+    ):
         if not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
             outcome = decide_call(reentrant, function, args[first_input:], config)
             if outcome != PROCEED:
@@ -437,6 +463,25 @@ def prepare_call(
 def _is_user_context_fn(context_fn: Any) -> bool:
     """A ``context_fn`` the user chose: not the composable API's own."""
     return getattr(context_fn, "__module__", "") != "torch.distributed._composable.checkpoint_activation"
+
+
+def forward_context_of(context_fn: Any) -> Any:
+    """The forward context a user ``context_fn`` gives (``context_fn()[0]``), or None.
+
+    Fallback runs the function without checkpointing in it, as torch's
+    checkpoint would have run the forward (an autocast ``context_fn`` keeps
+    its dtype).  Selective checkpointing's caching mode is left out: it only
+    decides what a recompute may reuse, and there is no recompute.
+    """
+    if context_fn is None or context_fn is _noop_context_fn or not _is_user_context_fn(context_fn):
+        return None
+    forward_context = context_fn()[0]
+    if isinstance(forward_context, _SELECTIVE_CACHING_MODE):
+        return None
+    return forward_context
+
+
+_SELECTIVE_CACHING_MODE = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", ())
 
 
 def _checked_call(
@@ -482,6 +527,7 @@ def report_drift(
     changed = [
         i for i, (was, now) in enumerate(zip(forward_state, state))
         if was != now
+        and _DRIFT_HOLDS[i]
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
@@ -539,6 +585,7 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
     for index in _ANTICIPATED_INDICES:
         if (
             forward_state[index]
+            and _DRIFT_HOLDS[index]
             and config.policy_for(DRIFT_RULES[index].id) == "fallback"
             and (index != _SWAPS_INDEX or _state.swap_touches(function, forward_state[index]))
         ):

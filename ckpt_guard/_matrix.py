@@ -28,9 +28,9 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from . import _config, _patch
+from . import _config, _patch, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
-from ._rules import NON_REENTRANT, REENTRANT, Rule
+from ._rules import NON_REENTRANT, REENTRANT, Rule, rule_by_id
 
 __all__ = ["Row", "header", "measure_rule", "measure_composition", "run_matrix", "exit_code", "problems"]
 
@@ -231,16 +231,21 @@ def _broken_probe(label: str, reference: Any, raw: Any, problems: List[str]) -> 
     return "raises: " + short_error(raw.error) if raw.raised else "ok?"  # type: ignore[arg-type]
 
 
-def measure_rule(rule: Rule, variant: str, device: str = "cpu") -> Row:
-    """Run ``rule``'s probe four ways and say whether the table's claims hold."""
+def measure_rule(rule: Rule, variant: str, device: str = "cpu", composition: Any = None) -> Row:
+    """Run ``rule``'s probe four ways and say whether the table's claims hold.
+
+    ``composition``: run that composition's probe instead, as a case of
+    ``rule`` (a composition torch gets right elsewhere, refused on this torch).
+    """
     started = time.perf_counter()
     use_reentrant = _use_reentrant(variant)
-    label = _label(rule.id, variant, device)
+    label = _label(rule.id if composition is None else f"{rule.id} ({composition.name})", variant, device)
     expected = rule.symptom_for(variant)
     version = _torch_version()
     problems: List[str] = []
 
-    reference, raw, strict, fallback = _four_runs(rule.probe, use_reentrant, device)
+    probe = rule.probe if composition is None else composition.probe
+    reference, raw, strict, fallback = _four_runs(probe, use_reentrant, device)
 
     # --- raw torch, measured, then compared with the table
     if reference.raised:
@@ -294,7 +299,7 @@ def measure_rule(rule: Rule, variant: str, device: str = "cpu") -> Row:
     return Row(
         kind="rule",
         rule_id=rule.id,
-        name=rule.title,
+        name=rule.title if composition is None else f"{composition.name}: {rule.title}",
         variant=variant,
         device=device,
         expected=expected,
@@ -379,7 +384,8 @@ def measure_composition(composition: Any, variant: str, device: str = "cpu") -> 
 # --------------------------------------------------------------------------
 # the whole matrix
 
-#: (kind, subject, variant, device); kind "rule" (subject a Rule) or "safe" (a Composition)
+#: (kind, subject, variant, device); kind "rule" (subject a Rule), "safe" (a Composition)
+#: or "covered" (subject (Rule, Composition): a composition this torch refuses, as a case of the rule)
 Task = Tuple[str, Any, str, str]
 
 
@@ -400,17 +406,43 @@ def plan(
         from ._rules import RULES as rules  # noqa: N811
     if compositions is None:
         from ._compositions import SAFE_COMPOSITIONS as compositions  # noqa: N811
-    rules, compositions = list(rules), list(compositions)
+    version = _versions.installed()
+    rules = [r for r in rules if r.holds_on(version)]
+    compositions = list(compositions)
     tasks: List[Task] = []
     for device in on if on is not None else devices():
         tasks += [("rule", r, v, device) for r in rules for v in r.variants]
-        tasks += [("safe", c, v, device) for c in compositions for v in c.variants]
+        for c in compositions:
+            if c.holds_on(version):
+                tasks += [("safe", c, v, device) for v in c.variants]
+            elif c.otherwise and rule_by_id(c.otherwise).holds_on(version):
+                tasks += [("covered", (rule_by_id(c.otherwise), c), v, device) for v in c.variants]
     return tasks
+
+
+def not_here(rules: Optional[Iterable[Rule]] = None, compositions: Optional[Iterable[Any]] = None) -> List[str]:
+    """What the matrix leaves out on this torch, and why: one line per rule or composition."""
+    if rules is None:
+        from ._rules import RULES as rules  # noqa: N811
+    if compositions is None:
+        from ._compositions import SAFE_COMPOSITIONS as compositions  # noqa: N811
+    version = _versions.installed()
+    lines = [f"{r.id}: its claim holds on torch {r.torch_range}" for r in rules if not r.holds_on(version)]
+    lines += [
+        f"{c.name}: torch gets it right on {c.torch_range}"
+        + (f" (here it is a case of {c.otherwise})" if c.otherwise else " (not available here)")
+        for c in compositions
+        if not c.holds_on(version)
+    ]
+    return lines
 
 
 def task_label(task: Task) -> str:
     kind, subject, variant, device = task
-    name = subject.id if kind == "rule" else subject.name
+    if kind == "covered":
+        name = f"{subject[0].id} ({subject[1].name})"
+    else:
+        name = subject.id if kind == "rule" else subject.name
     return f"{name} {variant}" + ("" if device == "cpu" else f" {device}")
 
 
@@ -453,8 +485,12 @@ def run_matrix(
             if progress is not None:
                 progress(i, len(tasks), task_label(task))
             kind, subject, variant, device = task
-            measure = measure_rule if kind == "rule" else measure_composition
-            rows.append(measure(subject, variant, device))
+            if kind == "covered":
+                rows.append(measure_rule(subject[0], variant, device, composition=subject[1]))
+            elif kind == "rule":
+                rows.append(measure_rule(subject, variant, device))
+            else:
+                rows.append(measure_composition(subject, variant, device))
     return rows
 
 
@@ -482,4 +518,28 @@ def header(on: Optional[Sequence[str]] = None) -> dict:
         "cuda_used": "cuda" in on,
         "cuda_device": torch.cuda.get_device_name(0) if "cuda" in on else None,
         "devices": on,
+        "interception": interception(),
+        "not_on_this_torch": not_here(),
     }
+
+
+def interception() -> str:
+    """Whether checkpoint calls reach the guard on this torch (installs it for a moment).
+
+    The install state before the call is put back.
+    """
+    was_installed = _patch.is_installed()
+    installed_config = _config._installed
+    _patch.uninstall()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the line below says it all
+            try:
+                _patch.install(_config.build_config("warn", {}, read_env=False))
+            except RuntimeError as exc:  # a torch too old for the guard
+                return f"NOT WORKING: {exc}"
+            return _patch.interception()
+    finally:
+        _patch.uninstall()
+        if was_installed:
+            _patch.install(installed_config)

@@ -1,32 +1,37 @@
-"""Patch points: where every checkpoint call passes, and how they are swapped.
+"""Patch points: swapping the guard into torch, and putting torch back.
 
-Every way into activation checkpointing ends in one of two internal choke
-points of ``torch.utils.checkpoint``, both looked up *at call time* as module
-globals:
+Where every checkpoint call passes differs between torch releases; which
+attribute to replace, and with what, is ``_layouts``' business.  This module
+applies what ``_layouts`` finds, says truthfully what it could not patch, and
+undoes everything on ``uninstall()``:
 
-* reentrant: ``CheckpointFunction.apply(function, preserve_rng_state, *args)``;
-  we shadow the inherited classmethod on ``CheckpointFunction`` only;
-* non-reentrant: ``_checkpoint_without_reentrant_generator(fn, ..., *args,
-  **kwargs)``; we replace the module global (and the copy that
-  ``torch.distributed._composable.checkpoint_activation`` imported).
+* the non-reentrant choke point, in ``torch.utils.checkpoint`` and in the copy
+  that ``torch.distributed._composable.checkpoint_activation`` imported (also
+  when that module is imported after ``install()``);
+* a classmethod shadowing ``CheckpointFunction.apply`` (the reentrant one).
 
-So ``checkpoint``, ``checkpoint_sequential``, names bound before ``install()``
-(``from torch.utils.checkpoint import checkpoint``, ``functools.partial``,
-``checkpoint_wrapper``) and the composable ``checkpoint(module)`` are all
-covered, while the public ``checkpoint`` function, which dynamo recognises by
-identity, is never touched.
+So ``checkpoint``, its curried form, ``checkpoint_sequential``, names bound
+before ``install()`` (``from torch.utils.checkpoint import checkpoint``,
+``functools.partial``, ``checkpoint_wrapper``) and the composable
+``checkpoint(module)`` are all covered, while the public ``checkpoint``
+function, which dynamo recognises by identity, is never touched.
+
+If a choke point cannot be found, a ``RuntimeWarning`` names the entry points
+that stay unguarded.  If neither can, ``install()`` under a policy that
+includes ``strict`` raises :class:`UnsupportedTorchError`; otherwise it warns
+once.  :func:`interception` reports the state for the matrix's first line.
 
 Smaller patches feed the messages and the drift rules:
 
 * ``torch.utils.checkpoint.warnings`` becomes a proxy whose ``warn`` marks the
-  calling ``checkpoint`` frame when torch warns that ``use_reentrant`` was not
-  passed (so messages can say torch *defaulted* to the reentrant variant);
+  calling frame when torch warns that ``use_reentrant`` was not passed (so
+  messages can say torch *defaulted* to the reentrant variant);
 * the generator inside ``torch.nn.utils.stateless._reparametrize_module`` (the
   swap behind ``torch.func.functional_call``) is wrapped through the closure
   cell of its ``@contextmanager`` wrapper, so parameter swaps become visible
   while the function object dynamo recognises stays the same;
-* global optimizer pre- and post-step hooks count optimizer steps and what
-  they updated (CKG108).
+* ``Optimizer._optimizer_step_code`` (empty, called after every step) counts
+  optimizer steps and what they updated (CKG108).
 
 And dynamo is told to skip the guard's files, as it skips torch's own
 checkpoint internals.
@@ -45,29 +50,43 @@ import pathlib
 import sys
 import threading
 import warnings
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
-from . import _config
+from . import _config, _layouts, _versions
 
-MIN_TORCH = (2, 4)
+MIN_TORCH = _versions.MIN_TORCH
 
 _lock = threading.RLock()
 _installed = False
 _hooks_registered: set = set()
 # how to undo each patch currently applied, in the order applied
 _applied: List[Callable[[], None]] = []
+# what the last patching found: one line per choke point (see interception())
+_interception: List[str] = []
+_unguarded: List[str] = []
+_unguarded_entry_points: List[str] = []
 
 
-class _Missing(Exception):
-    """A choke point is not where this torch version was expected to have it."""
+class UnsupportedTorchError(RuntimeError):
+    """This torch is too old, or its checkpoint has no choke point the guard knows."""
 
 
-def _warn_unguarded(what: str, why: str) -> None:
+def _outside_the_guard() -> int:
+    """The ``stacklevel`` that attributes a warning to the first frame outside this package."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_unguarded(what: str, why: str, entry_points: str = "") -> None:
+    stays = f"these stay unguarded: {entry_points}" if entry_points else "calls through it stay unguarded"
     warnings.warn(
-        f"ckpt_guard: cannot patch {what} on torch {_torch_version()} ({why}); "
-        f"calls through it stay unguarded. Everything else is guarded.",
+        f"ckpt_guard: cannot patch {what} on torch {_torch_version()} ({why}); {stays}. "
+        "Everything else is guarded.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=_outside_the_guard(),
     )
 
 
@@ -78,113 +97,27 @@ def _torch_version() -> str:
 
 def check_torch_version(version: str) -> None:
     """Raise one clear error for a torch older than the minimum we support."""
-    try:
-        major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        return  # a dev build with an odd version string: try our best
-    if (major, minor) < MIN_TORCH:
-        raise RuntimeError(
+    parsed = _versions.parse(version)
+    if parsed is not None and parsed < MIN_TORCH:
+        raise UnsupportedTorchError(
             f"ckpt_guard: torch {version} (torch.__version__) is not supported; "
             f"ckpt_guard needs torch >= {'.'.join(map(str, MIN_TORCH))}. "
             "Upgrade torch, or do not install the guard."
         )
 
 
-# --------------------------------------------------------------------------
-# the guarded choke points
-
-
-def _count_fixed_params(function: Callable[..., Any]) -> int:
-    """How many positional parameters precede ``*args`` (6 on torch 2.13)."""
-    params = inspect.signature(function).parameters.values()
-    fixed = 0
-    for param in params:
-        if param.kind is inspect.Parameter.VAR_POSITIONAL:
-            return fixed
-        if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-            fixed += 1
-    raise _Missing("its signature has no *args")
-
-
-def _no_checkpoint_generator():
-    """Stands in for torch's generator when the fallback runs without checkpointing."""
-    yield
-
-
-def _watch_forward_rng(inner: Any, drew: list):
-    """torch's generator, plus: did the forward (run between its two steps) draw random numbers?
-
-    Same protocol as torch's: ``next`` before the forward, ``next`` after it
-    (ending the generator), ``throw`` if the forward raised.
-    """
-    import torch
-
-    value = next(inner)
-    before = torch.get_rng_state()
-    try:
-        yield value
-    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
-        try:
-            value = inner.throw(exc)
-        except StopIteration:
-            return
-        yield value
-        return
-    drew[0] = not torch.equal(before, torch.get_rng_state())
-    yield from inner
-
-
-def make_guarded_generator(original: Callable[..., Any]) -> Callable[..., Any]:
-    from . import _decide
-
-    n_fixed = _count_fixed_params(original)
-    names = list(inspect.signature(original).parameters)[:n_fixed]
-    context_index = names.index("context_fn") if "context_fn" in names else None
-    prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
-    RngWatch = _decide.RngWatch
-
-    def _checkpoint_without_reentrant_generator(fn: Any, *args: Any, **kwargs: Any):
-        # args: torch's parameters after fn (preserve_rng_state, context_fn, ...), then the inputs
-        context_fn = args[context_index - 1] if context_index is not None and len(args) >= context_index else None
-        preserve = args[0] if args else True
-        decision = prepare(False, fn, args, n_fixed - 1, context_fn, preserve)
-        if decision is STEP_ASIDE:
-            return original(fn, *args, **kwargs)
-        if decision is NO_CHECKPOINT:
-            return _no_checkpoint_generator()
-        if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
-            inner = original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
-            return _watch_forward_rng(inner, decision.drew)
-        return original(decision, *args, **kwargs)
-
-    _checkpoint_without_reentrant_generator.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
-    return _checkpoint_without_reentrant_generator
-
-
-def make_guarded_apply(raw_apply: Callable[..., Any]) -> classmethod:
-    from . import _decide
-
-    prepare, STEP_ASIDE, NO_CHECKPOINT = _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT
-    NON_REENTRANT_INSTEAD = _decide.NON_REENTRANT_INSTEAD
-
-    RngWatch = _decide.RngWatch
-
-    def apply(cls, function, preserve_rng_state, *args):
-        decision = prepare(True, function, args, 0, None, preserve_rng_state)
-        if type(decision) is RngWatch:  # preserve_rng_state=False: the forward runs through it
-            return raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
-        if decision is STEP_ASIDE:
-            return raw_apply(cls, function, preserve_rng_state, *args)
-        if decision is NO_CHECKPOINT:
-            return function(*args)
-        if decision is NON_REENTRANT_INSTEAD:
-            import torch.utils.checkpoint as tuc
-
-            return tuc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-        return raw_apply(cls, decision, preserve_rng_state, *args)
-
-    apply.__ckpt_guard_original__ = raw_apply  # type: ignore[attr-defined]
-    return classmethod(apply)
+def interception() -> str:
+    """One line: whether checkpoint calls reach the guard on this torch, and if not, why."""
+    with _lock:
+        if not _installed:
+            return "not installed"
+        if not _interception and not _unguarded:
+            return "installed; torch not imported yet"
+        if not _unguarded:
+            return "working: " + "; ".join(_interception)
+        if not _interception:
+            return "NOT WORKING, nothing is guarded: " + "; ".join(_unguarded)
+        return "PARTIAL: " + "; ".join(_interception) + "; NOT guarded: " + "; ".join(_unguarded)
 
 
 class _WarningsProxy:
@@ -229,69 +162,92 @@ def _set_attr(obj: Any, name: str, value: Any) -> None:
     _applied.append(restore)
 
 
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+
+
+def _patch_non_reentrant(tuc: Any) -> None:
+    try:
+        layout, original = _layouts.find_non_reentrant(tuc)
+    except _layouts.Unsupported as exc:
+        _unguarded.append(f"non-reentrant checkpoint: {exc}")
+        _unguarded_entry_points.append(_layouts.NON_REENTRANT_ENTRY_POINTS)
+        return
+    guarded = layout.guard(original)
+    guarded.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
+    _set_attr(tuc, layout.attribute, guarded)
+    composable = sys.modules.get(_COMPOSABLE)
+    if composable is not None and getattr(composable, layout.attribute, None) is original:
+        _set_attr(composable, layout.attribute, guarded)
+    else:
+        # Imported later, it copies the guarded function from
+        # torch.utils.checkpoint: put torch's back there on uninstall.
+        _applied.append(lambda: _restore_late_copy(layout.attribute, guarded, original))
+    _interception.append(f"non-reentrant via {layout.attribute} ({layout.releases} layout)")
+
+
+def _patch_reentrant(tuc: Any) -> None:
+    try:
+        function_class, raw_apply = _layouts.find_reentrant(tuc)
+    except _layouts.Unsupported as exc:
+        _unguarded.append(f"reentrant checkpoint: {exc}")
+        _unguarded_entry_points.append(_layouts.REENTRANT_ENTRY_POINTS)
+        return
+    _set_attr(function_class, "apply", _layouts.guard_apply(raw_apply))
+    _interception.append("reentrant via CheckpointFunction.apply")
+
+
 def _patch_checkpoint_module() -> None:
     import torch.utils.checkpoint as tuc
 
-    original_generator = getattr(tuc, "_checkpoint_without_reentrant_generator", None)
-    if original_generator is None or not inspect.isgeneratorfunction(original_generator):
+    _patch_non_reentrant(tuc)
+    _patch_reentrant(tuc)
+    if not _interception:
+        return  # nothing to guard: the caller refuses or warns
+    if _unguarded:
         _warn_unguarded(
-            "torch.utils.checkpoint._checkpoint_without_reentrant_generator",
-            "not found" if original_generator is None else "not a generator function",
+            "part of torch.utils.checkpoint", "; ".join(_unguarded), "; ".join(_unguarded_entry_points)
         )
-    else:
-        try:
-            guarded = make_guarded_generator(original_generator)
-        except _Missing as exc:
-            _warn_unguarded("torch.utils.checkpoint._checkpoint_without_reentrant_generator", str(exc))
-        else:
-            _set_attr(tuc, "_checkpoint_without_reentrant_generator", guarded)
-            composable = sys.modules.get(_COMPOSABLE)
-            if composable is not None and getattr(
-                composable, "_checkpoint_without_reentrant_generator", None
-            ) is original_generator:
-                _set_attr(composable, "_checkpoint_without_reentrant_generator", guarded)
-            else:
-                # Imported later, it copies the guarded generator from
-                # torch.utils.checkpoint: put torch's back there on uninstall.
-                _applied.append(lambda: _restore_late_copy(guarded, original_generator))
-
-    function_class = getattr(tuc, "CheckpointFunction", None)
-    apply_descriptor = inspect.getattr_static(function_class, "apply", None) if function_class else None
-    if not isinstance(apply_descriptor, classmethod):
-        _warn_unguarded(
-            "torch.utils.checkpoint.CheckpointFunction.apply",
-            "CheckpointFunction not found" if function_class is None else "apply is not a classmethod",
-        )
-    else:
-        _set_attr(function_class, "apply", make_guarded_apply(apply_descriptor.__func__))
-
     if getattr(tuc, "warnings", None) is warnings:
         _set_attr(tuc, "warnings", _WarningsProxy(warnings))
 
 
-_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
-
-
-def _restore_late_copy(guarded: Any, original: Any) -> None:
+def _restore_late_copy(attribute: str, guarded: Any, original: Any) -> None:
     composable = sys.modules.get(_COMPOSABLE)
-    if composable is not None and getattr(composable, "_checkpoint_without_reentrant_generator", None) is guarded:
-        composable._checkpoint_without_reentrant_generator = original
+    if composable is not None and getattr(composable, attribute, None) is guarded:
+        setattr(composable, attribute, original)
 
 
 def _patch_reparametrize() -> None:
-    from . import _state
+    """Make ``functional_call``'s parameter swaps visible (CKG101).
 
+    torch 2.5–2.6: ``_reparametrize_module`` returns a ``_ReparametrizeModule``
+    instance, whose ``__enter__`` / ``__exit__`` are wrapped.  Other releases:
+    it is a ``@contextmanager`` whose generator is swapped in its closure cell,
+    which keeps the function object dynamo recognises by identity.
+    """
+    from . import _hooks
+
+    what = "torch.nn.utils.stateless._reparametrize_module"
     try:
         import torch.nn.utils.stateless as stateless
 
-        cell = stateless._reparametrize_module.__closure__[0]  # type: ignore[index]
+        swap_class = getattr(stateless, "_ReparametrizeModule", None)
+        if isinstance(swap_class, type):
+            enter, exit_ = _hooks.make_tracked_swap_methods(swap_class)
+            _set_attr(swap_class, "__enter__", enter)
+            _set_attr(swap_class, "__exit__", exit_)
+            return
+        closure = stateless._reparametrize_module.__closure__
+        if not closure:
+            raise TypeError("it is neither a @contextmanager nor a _ReparametrizeModule factory")
+        cell = closure[0]
         original = cell.cell_contents
         if not inspect.isgeneratorfunction(original):
             raise TypeError("its @contextmanager closure does not hold a generator function")
     except (ImportError, AttributeError, TypeError, IndexError, ValueError) as exc:
-        _warn_unguarded("torch.nn.utils.stateless._reparametrize_module", str(exc))
+        _warn_unguarded(what, str(exc), "functional_call parameter swaps (CKG101)")
         return
-    cell.cell_contents = _state.make_tracked_reparametrize(original)
+    cell.cell_contents = _hooks.make_tracked_reparametrize(original)
 
     def restore() -> None:
         cell.cell_contents = original
@@ -300,29 +256,33 @@ def _patch_reparametrize() -> None:
 
 
 def _watch_optimizer_steps() -> None:
-    """Global optimizer step hooks count steps, and what they updated, for CKG108."""
-    from . import _state
+    """Count optimizer steps, and what they updated, for CKG108.
+
+    Through ``Optimizer._optimizer_step_code``, an empty method every step
+    calls after updating (global step hooks would change what dynamo compiles
+    of a ``step()`` on Python 3.13).
+    """
+    from . import _hooks
 
     try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-    except ImportError as exc:
-        _warn_unguarded("torch.optim.optimizer's global step hooks", str(exc))
+        from torch.optim import Optimizer
+
+        if not callable(getattr(Optimizer, "_optimizer_step_code", None)):
+            raise AttributeError("torch.optim.Optimizer has no _optimizer_step_code")
+    except (ImportError, AttributeError) as exc:
+        _warn_unguarded("the optimizer step count (CKG108)", str(exc))
         return
-    for handle in (
-        register_optimizer_step_pre_hook(_state.note_step_start),
-        register_optimizer_step_post_hook(_state.note_step_end),
-    ):
-        _applied.append(handle.remove)
+    _set_attr(Optimizer, "_optimizer_step_code", _hooks.note_step)
 
 
-# The guard's code that runs inside a checkpoint call.  Dynamo must never
-# trace it, just as it never traces torch's own checkpoint internals.  Not
-# _state.py: its functional_call and optimizer-step hooks run inside code
-# dynamo traces, so they are written to be traced (see is_compiling there).
-# Paths as dynamo compares them: POSIX-style, also on Windows.
+# The guard's code that runs inside a checkpoint call, and the bookkeeping
+# behind its hooks.  Dynamo must never trace it, just as it never traces
+# torch's own checkpoint internals.  Not _hooks.py: it runs inside
+# functional_call and Optimizer.step, code dynamo traces, so it is written to
+# be traced.  Paths as dynamo compares them: POSIX-style, also on Windows.
 _DYNAMO_SKIPPED_FILES = tuple(
     pathlib.Path(os.path.abspath(__file__)).with_name(name).as_posix()
-    for name in ("_patch.py", "_decide.py", "_config.py", "_events.py")
+    for name in ("_patch.py", "_layouts.py", "_decide.py", "_state.py", "_config.py", "_events.py")
 )
 _TRACE_RULES = "torch._dynamo.trace_rules"
 
@@ -361,17 +321,42 @@ def _skip_in_dynamo(trace_rules: Any = None) -> None:
 
 
 def _apply_patches() -> None:
-    """Patch torch (which must be fully imported); idempotent."""
+    """Patch torch (which must be fully imported); idempotent.
+
+    Raises :class:`UnsupportedTorchError` when torch is too old, or when no
+    choke point can be patched and the policy includes ``strict`` (then
+    nothing stays patched).
+    """
     with _lock:
         if not _installed or _applied:
             return
         import torch
 
         check_torch_version(torch.__version__)
+        del _interception[:], _unguarded[:], _unguarded_entry_points[:]
         _patch_checkpoint_module()
+        if not _interception:
+            _refuse_or_warn_unsupported()
+            return
         _patch_reparametrize()
         _watch_optimizer_steps()
         _skip_in_dynamo()
+
+
+def _refuse_or_warn_unsupported() -> None:
+    """No choke point was found: nothing at all would be guarded."""
+    message = (
+        f"ckpt_guard: torch {_torch_version()} has no checkpoint choke point ckpt_guard knows, so "
+        f"no checkpoint call would be guarded ({'; '.join(_unguarded)}). ckpt_guard "
+        f"supports torch >= {'.'.join(map(str, MIN_TORCH))} (tested up to {_versions.NEWEST_TESTED}): "
+        "install a tested torch, or a newer ckpt_guard; 'python -m ckpt_guard' shows what this "
+        "torch does without the guard."
+    )
+    config = _config._installed
+    if "strict" in (config.policy, *config.overrides.values()):
+        _undo()
+        raise UnsupportedTorchError(message + " (Raised because the policy is strict.)")
+    warnings.warn(message, RuntimeWarning, stacklevel=_outside_the_guard())
 
 
 def _on_torch_imported(module: Any) -> None:

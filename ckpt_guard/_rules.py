@@ -28,10 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from ._versions import ALL, MEASURED, TorchRange, Version
+
 if TYPE_CHECKING:  # pragma: no cover
     from ._state import CallState
 
-__all__ = ["Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "RULE_IDS", "rule_by_id"]
+__all__ = [
+    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "RULE_IDS", "rule_by_id", "rules_on",
+]
 
 #: A probe runs one composition with the given checkpoint function and
 #: ``use_reentrant`` value (``None``: not passed) and returns tensors to compare.
@@ -53,7 +57,8 @@ class Rule:
     symptom_kind: str  # "raises" or "silently wrong" (per variant: see symptom_by_variant)
     remedy: str
     refs: tuple[str, ...]
-    torch_versions: str
+    #: why the claim holds where it does (the upstream change behind its range)
+    torch_note: str
     probe: Probe = field(repr=False)
     fallback: str = ""  # what the fallback policy runs instead
     #: False for drift that only the recompute can see: fallback cannot avoid it
@@ -69,10 +74,24 @@ class Rule:
     #: recompute stage: regex of torch's own error per variant, where it raises
     symptom_by_variant: tuple[tuple[str, str], ...] = ()
     raises_match: str = ""  # regex torch's own error matches (call-stage rules)
+    #: the torch releases on which the claim holds, measured; elsewhere the
+    #: rule is not evaluated, and its probe is not expected to show the symptom
+    torch_range: TorchRange = ALL
+    #: call stage: rules that explain this composition better where both fire
+    #: (e.g. on torch < 2.12 vmap(grad(checkpoint)) fails at the vmap first)
+    yields_to: tuple[str, ...] = ()
 
     def symptom_for(self, variant: str) -> str:
         """"raises" or "silently wrong" for one variant."""
         return dict(self.symptom_by_variant).get(variant, self.symptom_kind)
+
+    def holds_on(self, version: Version) -> bool:
+        return version in self.torch_range
+
+    @property
+    def torch_versions(self) -> str:
+        """Where the claim holds, why, and where it was measured (for docs and ``explain``)."""
+        return f"{self.torch_range}: {self.torch_note} (measured on {', '.join(MEASURED)})"
 
 
 def _variant_kwargs(use_reentrant: Optional[bool]) -> dict:
@@ -92,9 +111,9 @@ def _grads(*tensors: Any) -> list:
 
 
 def _probe_grad_transform(ckpt, use_reentrant):
-    """Per-sample gradients: vmap(grad(loss)) with a checkpointed block inside."""
+    """torch.func.grad of a loss with a checkpointed block inside."""
     import torch
-    from torch.func import grad, vmap
+    from torch.func import grad
 
     torch.manual_seed(0)
     w, x = torch.randn(3, 3), torch.randn(4, 3)
@@ -105,7 +124,7 @@ def _probe_grad_transform(ckpt, use_reentrant):
     def loss(t):
         return ckpt(block, t, **_variant_kwargs(use_reentrant)).sum()
 
-    return [vmap(grad(loss))(x)]
+    return [grad(loss)(x)]
 
 
 def _probe_vmap_forward(ckpt, use_reentrant):
@@ -173,6 +192,10 @@ def _under_grad_transform(s: "CallState") -> bool:
     return "grad" in s.transform_names
 
 
+# the transforms that are not reverse-mode AD (jacfwd shows as vmap + jvp)
+_FORWARD_TRANSFORMS = frozenset({"vmap", "jvp", "functionalize"})
+
+
 _FIX_MOVE = "move the checkpoint call outside the torch.func transform"
 _FIX_NR = "pass use_reentrant=False"
 
@@ -202,7 +225,8 @@ _CALL_RULES = [
             "https://github.com/pytorch/pytorch/issues/122729",
             "https://github.com/pytorch/pytorch/issues/141845",
         ),
-        torch_versions=">=2.0 (saved tensor hooks disabled under grad transforms since pytorch#85972); measured on 2.13",
+        torch_note="torch.func's grad transforms refuse saved tensor hooks (pytorch#85972)",
+        yields_to=("CKG007",),
         probe=_probe_grad_transform,
         applies=lambda s: not s.reentrant and s.grad_enabled and _under_grad_transform(s),
     ),
@@ -222,15 +246,16 @@ _CALL_RULES = [
         symptom_kind="raises",
         raises_match=r"must override the setup_context staticmethod",
         remedy=(
-            f"{_FIX_NR} (works under vmap, jvp, jacfwd and functionalize only; under grad, vjp, "
-            f"jacrev or hessian neither variant works, see CKG001), or {_FIX_MOVE}"
+            f"{_FIX_NR} (on torch >= 2.12 it works under vmap, jvp, jacfwd and functionalize, "
+            f"see CKG007 for older torch; under grad, vjp, jacrev or hessian neither variant "
+            f"works, see CKG001), or {_FIX_MOVE}"
         ),
         fallback="runs it with use_reentrant=False when that is safe here, else without checkpointing",
         refs=(
             "https://github.com/pytorch/functorch/issues/993",
             "https://github.com/pytorch/pytorch/pull/89859",
         ),
-        torch_versions=">=2.0 (autograd.Function needs setup_context under torch.func); measured on 2.13",
+        torch_note="an autograd.Function needs setup_context under torch.func (pytorch#89859)",
         probe=_probe_vmap_forward,
         applies=lambda s: s.reentrant and bool(s.transforms),
     ),
@@ -261,7 +286,11 @@ _CALL_RULES = [
             "https://github.com/pytorch/pytorch/issues/165880",
             "https://github.com/pytorch/pytorch/issues/122729",
         ),
-        torch_versions=">=2.5 (vmap allows saved tensor hooks since pytorch#131191); measured on 2.13",
+        torch_note=(
+            "from 2.12 non-reentrant checkpoint runs under vmap (pytorch#174327 dropped "
+            "_NoopSaveInputs); before that it raises at the call (CKG007)"
+        ),
+        torch_range=TorchRange(since=(2, 12)),
         probe=_probe_vmap_backward,
         applies=lambda s: (
             not s.reentrant
@@ -286,13 +315,19 @@ _CALL_RULES = [
         ),
         symptom_kind="raises",
         raises_match=r"You must implement the jvp function",
-        remedy=f"{_FIX_NR}: the non-reentrant variant supports forward-mode AD",
-        fallback="runs it with use_reentrant=False",
+        remedy=(
+            f"{_FIX_NR}: on torch >= 2.12 the non-reentrant variant supports forward-mode AD "
+            "(before 2.12 neither variant does, see CKG007: run the block without checkpointing)"
+        ),
+        fallback="runs it with use_reentrant=False where that supports forward AD, else without checkpointing",
         refs=(
             "https://github.com/pytorch/pytorch/pull/64061",
             "https://github.com/pytorch/pytorch/issues/129293",
         ),
-        torch_versions=">=1.11 (forward AD for custom Functions needs jvp); measured on 2.13",
+        torch_note=(
+            "forward AD through a custom autograd.Function needs its jvp (pytorch#64061); the "
+            "fallback runs use_reentrant=False from 2.12, without checkpointing before (CKG007)"
+        ),
         probe=_probe_forward_ad,
         applies=lambda s: s.reentrant and s.forward_ad_active and s.dual_inputs,
     ),
@@ -315,7 +350,8 @@ _CALL_RULES = [
         ),
         fallback="runs the function without checkpointing (correct, no memory saving for it)",
         refs=("https://github.com/pytorch/pytorch/pull/85971",),
-        torch_versions=">=2.0 (disable_saved_tensors_hooks); measured on 2.13",
+        torch_note="non-reentrant checkpoint is built on saved tensor hooks (pytorch#85971)",
+        yields_to=("CKG007",),
         probe=_probe_hooks_disabled,
         applies=lambda s: (
             not s.reentrant
@@ -347,7 +383,7 @@ _CALL_RULES = [
             "https://github.com/pytorch/pytorch/issues/7617",
             "https://github.com/pytorch/pytorch/issues/6884",
         ),
-        torch_versions="all versions with the reentrant variant; measured on 2.13",
+        torch_note="the reentrant variant only tracks gradients through its tensor inputs",
         probe=_probe_no_input_grad,
         applies=lambda s: (
             s.reentrant
@@ -356,6 +392,47 @@ _CALL_RULES = [
             and s.params_require_grad
             and not s.transforms
         ),
+    ),
+    Rule(
+        id="CKG007",
+        title="non-reentrant checkpoint under vmap, jvp, jacfwd, functionalize or forward-mode AD (torch < 2.12)",
+        stage="call",
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=False) under torch.func.vmap, jvp, jacfwd (vmap over jvp) or "
+            "functionalize, at any depth and in any grad mode (vmap(grad(f)) and grad(vmap(f)) "
+            "included), or with a dual tensor among its inputs inside "
+            "torch.autograd.forward_ad.dual_level, on torch 2.4–2.11"
+        ),
+        symptom=(
+            "raises at the call: non-reentrant checkpoint saves its inputs through an internal "
+            "autograd.Function, _NoopSaveInputs, which has no rule for these transforms: "
+            "'You tried to vmap over _NoopSaveInputs, but it does not have vmap support', "
+            "'You must implement the jvp function for custom autograd.Function to use it with "
+            "forward mode AD' or 'NYI: Functionalize rule for custom_function_call'"
+        ),
+        symptom_kind="raises",
+        raises_match=(
+            r"You tried to vmap over _NoopSaveInputs|You must implement the jvp function"
+            r"|NYI: Functionalize rule for custom_function_call"
+        ),
+        remedy=(
+            f"{_FIX_MOVE}, or run this block without checkpointing; torch >= 2.12 (which no "
+            "longer uses _NoopSaveInputs) runs non-reentrant checkpoint under vmap, jvp, jacfwd, "
+            "functionalize and forward-mode AD (not under grad transforms: CKG001)"
+        ),
+        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        refs=(
+            "https://github.com/pytorch/pytorch/pull/174327",
+            "https://github.com/pytorch/pytorch/issues/165880",
+        ),
+        torch_note=(
+            "torch 2.4–2.11 save a non-reentrant checkpoint's inputs with _NoopSaveInputs, "
+            "which has no vmap, jvp or functionalize rule; 2.12 replaced it (pytorch#174327)"
+        ),
+        torch_range=TorchRange(until=(2, 12)),
+        probe=_probe_vmap_forward,
+        applies=lambda s: not s.reentrant and (bool(s.transform_names & _FORWARD_TRANSFORMS) or s.dual_args),
     ),
 ]
 
@@ -542,7 +619,7 @@ _DRIFT_RULES = [
             "https://github.com/pytorch/pytorch/pull/61447",
             "https://github.com/pytorch/functorch/issues/993",
         ),
-        torch_versions=">=2.0 (torch.func.functional_call); measured on 2.13",
+        torch_note="the recompute reads whatever the module holds when it runs",
         probe=_probe_functional_call,
         read="current_swaps",
         render="describe_swaps",
@@ -568,7 +645,7 @@ _DRIFT_RULES = [
         ),
         fallback=_DRIFT_FALLBACK,
         refs=("https://github.com/pytorch/pytorch/pull/148919",),
-        torch_versions=">=2.0; measured on 2.13",
+        torch_note="the recompute runs under the modes active when it runs",
         probe=_probe_dispatch_mode,
         read="user_dispatch_modes",
         render="describe_modes",
@@ -595,7 +672,7 @@ _DRIFT_RULES = [
             "https://github.com/pytorch/pytorch/issues/147995",
             "https://github.com/pytorch/pytorch/pull/148023",
         ),
-        torch_versions=">=2.0; measured on 2.13",
+        torch_note="Tensor.backward pops function modes, and the recompute runs inside it",
         probe=_probe_function_mode,
         read="user_function_modes",
         render="describe_modes",
@@ -622,7 +699,11 @@ _DRIFT_RULES = [
         ),
         fallback=_DRIFT_FALLBACK,
         refs=("https://github.com/pytorch/pytorch/issues/165880",),
-        torch_versions=">=2.5 (vmap allows saved tensor hooks since pytorch#131191); measured on 2.13",
+        torch_note=(
+            "a forward under a transform is only reachable from 2.12 (before, CKG001, CKG002 "
+            "and CKG007 cover every transform at the call)"
+        ),
+        torch_range=TorchRange(since=(2, 12)),
         probe=_probe_vmap_closure,
         read="transform_stack",
         render="describe_transforms",
@@ -646,7 +727,7 @@ _DRIFT_RULES = [
         # No upstream thread on this one; the closest: which global state the
         # recompute does restore (autocast), and which it does not.
         refs=("https://github.com/pytorch/pytorch/pull/71169",),
-        torch_versions="all; measured on 2.13",
+        torch_note="the recompute reads the default dtype when it runs",
         probe=_probe_default_dtype,
         read="default_dtype",
         render="describe_dtype",
@@ -674,7 +755,7 @@ _DRIFT_RULES = [
         fallback_helps=False,
         # No upstream thread on this one; the closest: which state the recompute restores.
         refs=("https://github.com/pytorch/pytorch/pull/71169",),
-        torch_versions="all; measured on 2.13",
+        torch_note="the recompute reads module.training when it runs",
         probe=_probe_train_eval_flip,
         read="module_training",
         render="describe_training",
@@ -706,7 +787,7 @@ _DRIFT_RULES = [
         # No upstream thread on this one; the closest: checkpointing and autograd's
         # in-place (version counter) checks, discussed when checkpoint was added.
         refs=("https://github.com/pytorch/pytorch/pull/4594",),
-        torch_versions="all; measured on 2.13",
+        torch_note="the recompute reads the parameters' values when it runs",
         probe=_probe_optimizer_step_before_backward,
         read="optimizer_steps",
         render="describe_optimizer_steps",
@@ -751,16 +832,21 @@ RNG_RULE = Rule(
     ),
     fallback="runs the checkpoint with preserve_rng_state=True (correct, keeps the memory saving)",
     refs=("https://github.com/pytorch/pytorch/pull/71169",),
-    torch_versions="all; measured on 2.13 (CPU generator; CUDA generators are not watched)",
+    torch_note="the recompute draws from the RNG state it finds (CPU generator watched; CUDA generators are not)",
     probe=_probe_rng_not_preserved,
 )
 
-#: Every rule, in id order (how the CLI and the docs list them).
+#: Every rule, in id order (how the CLI and the docs list them), for every supported torch.
 RULES: tuple[Rule, ...] = tuple(sorted(_CALL_RULES + _DRIFT_RULES + [RNG_RULE], key=lambda rule: rule.id))
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
 #: Recompute rules decided by comparing state captured in the forward and at recompute.
 DRIFT_RULES: tuple[Rule, ...] = tuple(_DRIFT_RULES)
 RULE_IDS: tuple[str, ...] = tuple(r.id for r in RULES)
+
+
+def rules_on(version: Version, rules: Sequence[Rule] = RULES) -> tuple[Rule, ...]:
+    """The rules whose claim holds on this torch ``(major, minor)``, in the given order."""
+    return tuple(rule for rule in rules if rule.holds_on(version))
 
 
 def rule_by_id(rule_id: str) -> Rule:

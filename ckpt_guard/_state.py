@@ -18,13 +18,11 @@ infrastructure modes (fake/functional/proxy tensors under ``torch.compile``,
 selective checkpointing's caching modes, ``with torch.device(...)``) are not the
 user's and are left out, so they can never cause a report.
 
-Parameter swaps (``torch.func.functional_call``) leave no trace in torch's
-state, so ``_patch`` wraps the generator inside
-``torch.nn.utils.stateless._reparametrize_module`` with
-:func:`tracked_reparametrize`, which keeps :data:`_active_swaps` current.
-Optimizer steps are counted by global optimizer pre- and post-step hooks
-(:func:`note_step_start`, :func:`note_step_end`), which also log which
-parameters each step updated.
+Parameter swaps (``torch.func.functional_call``) and optimizer steps leave
+no trace in torch's state: the hooks in ``_hooks`` report them here
+(:func:`push_swap` / :func:`pop_swap` keep :data:`_active_swaps` current,
+:func:`record_step` counts steps and logs which parameters each updated).
+Dynamo skips this file; only ``_hooks`` runs inside code it compiles.
 
 A drift reader may also carry a ``relevant(function, was, now)`` attribute:
 asked only once its value changed, it says whether the change can reach the
@@ -110,6 +108,7 @@ INFRASTRUCTURE_MODES = frozenset(
         "torch.testing._internal.logging_tensor.LoggingTensorMode",
         # torch's observers: they count or check, never change a value
         "torch.utils.flop_counter._FlopCounterMode",
+        "torch.utils.flop_counter.FlopCounterMode",  # torch 2.4: the counter is the dispatch mode itself
         "torch.distributed.tensor.debug._comm_mode.CommDebugMode",
         "torch.distributed._tools.mem_tracker.MemTracker",
         "torch.distributed._tools.memory_tracker.MemoryProfileDispatchMode",
@@ -227,42 +226,16 @@ def _push_swap(token: SwapToken) -> None:
         _active_swaps.append(token)
 
 
-def _pop_swap(token: SwapToken) -> None:
+def pop_swap(token: SwapToken) -> None:
     with _swap_lock:
         _active_swaps[:] = [t for t in _active_swaps if t is not token]
 
 
-def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]]):
-    """Wrap the generator behind ``_reparametrize_module`` so swaps are visible.
-
-    ``_patch`` puts the result into the closure cell of torch's
-    ``@contextmanager`` wrapper, which keeps ``_reparametrize_module`` itself
-    (the object dynamo recognises by identity) untouched.
-    """
-    import contextlib
-
-    original_cm = contextlib.contextmanager(original_generator)
-
-    @functools.wraps(original_generator)
-    def tracked_reparametrize(module, *args, **kwargs):
-        if torch.compiler.is_dynamo_compiling():
-            # Dynamo traces this generator like torch's own (it reads the call
-            # above as True; eager code, even while another thread compiles,
-            # reads False): just torch's swap, nothing dynamo cannot trace.
-            # A compiled graph has no checkpoint recompute to drift from.
-            with original_cm(module, *args, **kwargs) as value:
-                yield value
-            return
-        with original_cm(module, *args, **kwargs) as value:
-            token = SwapToken(module, args[0] if args else kwargs.get("parameters_and_buffers"))
-            _push_swap(token)
-            try:
-                yield value
-            finally:
-                _pop_swap(token)
-
-    tracked_reparametrize.__ckpt_guard_original__ = original_generator  # type: ignore[attr-defined]
-    return tracked_reparametrize
+def push_swap(module: object, args: tuple, kwargs: dict) -> SwapToken:
+    """A ``_reparametrize_module(module, ...)`` swap began (eager only: see ``_hooks``)."""
+    token = SwapToken(module, args[0] if args else kwargs.get("parameters_and_buffers"))
+    _push_swap(token)
+    return token
 
 
 def describe_swaps(swaps: tuple[SwapToken, ...]) -> str:
@@ -291,56 +264,35 @@ optimizer_steps = functools.partial(_optimizer_steps.__getitem__, 0)
 # parameters alive since before that step.
 _step_log: collections.deque = collections.deque(maxlen=64)
 _step_lock = threading.Lock()
-# id(optimizer) -> the parameters' versions just before its running step
-_steps_running: dict[int, list[tuple[Tensor, Optional[int]]]] = {}
 
 
-def _parameters_before_step(optimizer: Any) -> list[tuple[Tensor, Optional[int]]]:
-    """(parameter, its version) for each parameter the step may update.
+def _parameters_stepped(optimizer: Any) -> frozenset:
+    """Ids of the parameters an optimizer step just updated: those with a gradient.
 
-    A fused optimizer updates parameters without bumping their version: there
-    a parameter with a gradient counts as updated (version None).
+    Every torch optimizer skips a parameter whose ``grad`` is None and updates
+    (in place) every other one, fused or not, even with an all-zero gradient.
     """
-    noted = []
-    for group in optimizer.param_groups:
-        fused = bool(group.get("fused"))
-        for p in group.get("params", ()):
-            if isinstance(p, Tensor) and not (fused and p.grad is None):
-                noted.append((p, None if fused else p._version))
-    return noted
+    return frozenset(
+        id(p)
+        for group in optimizer.param_groups
+        for p in group.get("params", ())
+        if isinstance(p, Tensor) and p.grad is not None
+    )
 
 
-def note_step_start(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Global optimizer pre-step hook: note the versions of the parameters.
+def record_step(optimizer: Any) -> None:
+    """An optimizer step just updated its parameters (eager only: see ``_hooks.note_step``).
 
-    One pass over the optimizer's parameters per step (tens of µs for
-    hundreds of tensors), nothing per checkpoint call beyond reading the count.
-    Never raises into the user's ``step()``: an optimizer this cannot read
-    (a custom one with odd param_groups) is counted, with no parameters noted.
-    Under ``torch.compile`` dynamo traces this and reads the first line as
-    True: a compiled step adds no graph break and is not counted.
+    Counts the step and logs what it updated: one pass over the optimizer's
+    parameters per step (tens of µs for hundreds of tensors), nothing per
+    checkpoint call beyond reading the count.  Never raises into the user's
+    ``step()``: an optimizer this cannot read (a custom one with odd
+    param_groups) is counted, with no parameters logged.
     """
-    if torch.compiler.is_dynamo_compiling():
-        return
     try:
-        noted = _parameters_before_step(optimizer)
-    except Exception:  # noqa: BLE001 - a hook must not break the user's step
-        noted = []
-    with _step_lock:
-        _steps_running[id(optimizer)] = noted
-
-
-def note_step_end(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """Global optimizer post-step hook: count the step, log what it updated.
-
-    Only parameters whose version this very step changed are logged, so an
-    in-place change made elsewhere (an EMA swap, say) is not blamed on it.
-    """
-    if torch.compiler.is_dynamo_compiling():
-        return
-    with _step_lock:
-        noted = _steps_running.pop(id(optimizer), [])
-    updated = frozenset(id(p) for p, before in noted if before is None or p._version != before)
+        updated = _parameters_stepped(optimizer)
+    except Exception:  # noqa: BLE001 - this must not break the user's step
+        updated = frozenset()
     with _step_lock:
         _optimizer_steps[0] += 1
         _step_log.append((_optimizer_steps[0], updated))
@@ -526,7 +478,9 @@ class CallState:
     transforms: tuple[tuple[str, int], ...]
     grad_enabled: bool
     forward_ad_active: bool
-    dual_inputs: bool  # only looked at outside torch.func transforms (CKG002 decides there)
+    # both only looked at outside torch.func transforms (CKG002 / CKG007 decide there)
+    dual_args: bool  # a dual tensor among the tensor inputs
+    dual_inputs: bool  # ... or among the parameters inside the function
     saved_tensor_hooks_enabled: bool
     inputs_require_grad: bool
     params_require_grad: bool
@@ -541,13 +495,16 @@ def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState
     params = list(_trained_params_of(function))
     transforms = transform_stack()
     forward_ad_active = forward_ad._current_level >= 0
+    # unpack_dual has no batching rule: never ask a functorch-wrapped tensor
+    look_for_duals = forward_ad_active and not transforms
+    dual_args = look_for_duals and any(_is_dual(t) for t in tensors)
     return CallState(
         reentrant=reentrant,
         transforms=transforms,
         grad_enabled=is_grad_enabled(),
         forward_ad_active=forward_ad_active,
-        # unpack_dual has no batching rule: never ask a functorch-wrapped tensor
-        dual_inputs=forward_ad_active and not transforms and any(_is_dual(t) for t in tensors + params),
+        dual_args=dual_args,
+        dual_inputs=dual_args or (look_for_duals and any(_is_dual(p) for p in params)),
         saved_tensor_hooks_enabled=saved_tensor_hooks_enabled(),
         inputs_require_grad=any(requires_grad_anywhere(t) for t in tensors),
         params_require_grad=any(requires_grad_anywhere(p) for p in params),
@@ -561,12 +518,10 @@ def call_is_quiet(reentrant: bool, inputs: tuple, grad_enabled: bool) -> bool:
     unusual.  Only builtin queries here; the non-reentrant variant never looks
     at the inputs.
     """
-    if peek_interpreter_stack() is not None:
+    if peek_interpreter_stack() is not None or forward_ad._current_level >= 0:
         return False
     if not reentrant:
         return not grad_enabled or saved_tensor_hooks_enabled()
-    if forward_ad._current_level >= 0:
-        return False
     if grad_enabled:
         for a in inputs:
             if isinstance(a, Tensor) and a.requires_grad:

@@ -56,6 +56,18 @@ def assert_all_equal(actual, expected):
         assert torch.equal(a, e), (a, e)
 
 
+def per_sample_grads_refusal() -> str:
+    """The rule the table gives vmap(grad(...)) over a non-reentrant checkpoint on this torch.
+
+    CKG001 (grad transforms refuse saved-tensor hooks), except where torch
+    refuses the vmap first (CKG007, torch < 2.12).
+    """
+    from ckpt_guard._rules import rule_by_id
+    from ckpt_guard._versions import installed
+
+    return "CKG007" if rule_by_id("CKG007").holds_on(installed()) else "CKG001"
+
+
 @pytest.fixture
 def guard():
     """The guard installed with strict for one test, and uninstalled after it."""

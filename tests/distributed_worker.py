@@ -37,7 +37,10 @@ import torch.nn as nn
 import torch.utils.checkpoint as tuc
 
 import ckpt_guard
+from ckpt_guard._layouts import find_non_reentrant
 
+#: the non-reentrant choke point's name on this torch's layout (read before any install)
+NON_REENTRANT_ATTRIBUTE = find_non_reentrant(tuc)[0].attribute
 STEPS = 3
 DIM = 16
 BATCH = 8
@@ -84,17 +87,17 @@ def batch(rank: int, step: int):
 def count_checkpoint_calls():
     """Count non-reentrant checkpoint entries and whether the guard handled them.
 
-    Wraps whatever ``_checkpoint_without_reentrant_generator`` currently is in
-    torch.utils.checkpoint and in the composable checkpoint module, and puts the
-    exact previous objects back on exit (so install()/uninstall() identity checks
-    still hold).
+    Wraps whatever the non-reentrant choke point of this torch's layout
+    currently is in torch.utils.checkpoint and in the composable checkpoint
+    module, and puts the exact previous objects back on exit (so
+    install()/uninstall() identity checks still hold).
     """
     import torch.distributed._composable.checkpoint_activation as composable
 
     counts = {"calls": 0, "guarded_calls": 0}
     saved = []
     for module in (tuc, composable):
-        current = module._checkpoint_without_reentrant_generator
+        current = getattr(module, NON_REENTRANT_ATTRIBUTE)
         saved.append((module, current))
 
         def shim(*args, __current=current, **kwargs):
@@ -103,12 +106,12 @@ def count_checkpoint_calls():
                 counts["guarded_calls"] += 1
             return __current(*args, **kwargs)
 
-        module._checkpoint_without_reentrant_generator = shim
+        setattr(module, NON_REENTRANT_ATTRIBUTE, shim)
     try:
         yield counts
     finally:
         for module, current in saved:
-            module._checkpoint_without_reentrant_generator = current
+            setattr(module, NON_REENTRANT_ATTRIBUTE, current)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -288,10 +291,14 @@ def scenario_refuse(rank: int, world: int) -> dict:
     dist.all_gather(parts, mine)
     gathered = [[int(p[0]), rule_ids[int(p[1])] if int(p[1]) >= 0 else None] for p in parts]
     record["all_ranks"] = gathered
+    from conftest import per_sample_grads_refusal  # tests/ is this script's directory
+
+    expected = per_sample_grads_refusal()
+    record["expected_rule_id"] = expected
     record["ok"] = (
         record["refused_step"] == 2
-        and record["rule_id"] == "CKG001"
-        and all(g == [2, "CKG001"] for g in gathered)
+        and record["rule_id"] == expected
+        and all(g == [2, expected] for g in gathered)
     )
     return record
 

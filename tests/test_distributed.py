@@ -8,7 +8,8 @@ each rank writes:
   (strict) changes nothing, bit for bit (losses, unsharded params and grads).
 * ``ddp``    DDP + ``apply_activation_checkpointing`` (NO_REENTRANT): same.
 * ``refuse`` ``vmap(grad(loss))`` through a non-reentrant checkpoint at step 2:
-  both ranks raise CKG001 at the same step and shut down cleanly (no hang).
+  both ranks raise the same rule (CKG001; CKG007 on torch < 2.12) at the same
+  step and shut down cleanly (no hang).
 
 Every launch runs under a bounded timeout; on expiry the launcher's process
 group and each worker's own session (torchrun starts workers with
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
@@ -142,6 +144,18 @@ def _assert_guard_changes_nothing(results, returncode, output):
     assert returncode == 0, msg
 
 
+def _has_fully_shard() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(
+    not _has_fully_shard(),
+    reason=f"torch {torch.__version__} has no public FSDP2 API (torch.distributed.fsdp.fully_shard)",
+)
 def test_fsdp2_composable_checkpoint_unchanged_by_guard(tmp_path):
     results, returncode, output, _ = launch("fsdp2", tmp_path)
     _assert_guard_changes_nothing(results, returncode, output)
@@ -166,8 +180,10 @@ def test_refuse_same_step_same_rule_on_every_rank(tmp_path):
         assert "exception" not in r, msg
         assert r["error_type"] == "CheckpointCompositionError", msg
         assert r["refused_step"] == 2, msg
-        assert r["rule_id"] == "CKG001", msg
+        expected = r["expected_rule_id"]  # from the table for this torch: CKG001, or CKG007 before 2.12
+        assert expected in ("CKG001", "CKG007"), msg
+        assert r["rule_id"] == expected, msg
         assert r["steps_completed"] == [0, 1], msg
-        assert r["all_ranks"] == [[2, "CKG001"]] * NPROC, msg
+        assert r["all_ranks"] == [[2, expected]] * NPROC, msg
         assert r["ok"], msg
     assert returncode == 0, msg

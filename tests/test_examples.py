@@ -7,12 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import per_sample_grads_refusal
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("script, shows", [
-    ("per_sample_grads.py", "[CKG001]"),
+    ("per_sample_grads.py", f"[{per_sample_grads_refusal()}]"),
     ("gan_step_order.py", "[CKG108]"),
 ])
 def test_example_runs(script, shows):

@@ -16,9 +16,12 @@ import torch.utils.checkpoint as tuc
 
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionError
+from ckpt_guard._layouts import find_non_reentrant
 from ckpt_guard._rules import RULE_IDS
 
 PYTHON = sys.executable
+#: the non-reentrant choke point's name on this torch's layout
+NON_REENTRANT_ATTRIBUTE = find_non_reentrant(tuc)[0].attribute
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -66,7 +69,15 @@ def _entry_points():
     partial_nr = functools.partial(tuc.checkpoint, use_reentrant=False)
     partial_r = functools.partial(tuc.checkpoint, use_reentrant=True)
     lin = torch.nn.Linear(3, 3)
+    curried = {}
+    if _HAS_CURRIED_FORM:  # torch 2.14+: checkpoint(use_reentrant=...)(fn), also as a decorator
+        curried = {
+            "curried-nr": (lambda t: tuc.checkpoint(use_reentrant=False)(lin)(t), "CKG001"),
+            "curried-r": (lambda t: tuc.checkpoint(use_reentrant=True)(lin)(t), "CKG002"),
+            "decorator-nr": (tuc.checkpoint(use_reentrant=False)(lambda t: lin(t)), "CKG001"),
+        }
     return {
+        **curried,
         # (how the block is called under grad(...), the rule expected)
         "checkpoint-nr": (lambda t: tuc.checkpoint(lin, t, use_reentrant=False), "CKG001"),
         "checkpoint-r": (lambda t: tuc.checkpoint(lin, t, use_reentrant=True), "CKG002"),
@@ -82,14 +93,63 @@ def _entry_points():
     }
 
 
+_HAS_CURRIED_FORM = "_checkpoint_impl" in vars(tuc)
+
+
+@pytest.fixture
+def counted_guard_calls(monkeypatch):
+    """The guard installed (strict), counting every call that reaches its decision function."""
+    from ckpt_guard import _decide
+
+    calls = []
+    original = _decide.prepare_call
+
+    def counting(reentrant, *args, **kwargs):
+        calls.append("reentrant" if reentrant else "non-reentrant")
+        return original(reentrant, *args, **kwargs)
+
+    ckpt_guard.uninstall()
+    monkeypatch.setattr(_decide, "prepare_call", counting)  # the patch points bind it at install
+    ckpt_guard.install("strict", rules={})
+    try:
+        yield calls
+    finally:
+        ckpt_guard.uninstall()
+
+
 @pytest.mark.parametrize("entry", list(_entry_points()))
-def test_every_entry_point_is_guarded(guard, entry):
+def test_every_entry_point_is_guarded(counted_guard_calls, entry):
+    """Each way into checkpointing reaches the guard (counted) and is refused under a grad transform."""
     call, rule_id = _entry_points()[entry]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(CheckpointCompositionError) as info:
             torch.func.grad(lambda t: call(t).sum())(torch.randn(2, 3))
     assert info.value.rule.id == rule_id
+    expected = "reentrant" if rule_id == "CKG002" else "non-reentrant"
+    assert counted_guard_calls == [expected], counted_guard_calls
+
+
+@pytest.mark.parametrize("entry", list(_entry_points()))
+def test_every_entry_point_trains_through_the_guard(counted_guard_calls, entry):
+    """Outside transforms each entry point trains as torch does, every call counted by the guard."""
+    call, rule_id = _entry_points()[entry]
+    x = torch.randn(2, 3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        call(x).pow(2).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    expected = "reentrant" if rule_id == "CKG002" else "non-reentrant"
+    assert counted_guard_calls and set(counted_guard_calls) == {expected}, counted_guard_calls
+
+
+def test_curried_form_is_covered_where_torch_has_it():
+    """The entry-point list follows torch: the curried form (2.14+) is in it exactly where torch has it."""
+    try:
+        curried = tuc.checkpoint(use_reentrant=False)  # no function: the curried form, if torch has one
+    except TypeError:
+        curried = None
+    assert ("curried-nr" in _entry_points()) == callable(curried)
 
 
 def test_name_bound_before_install_is_guarded():
@@ -142,13 +202,33 @@ def _patchable_objects():
     import torch.nn.utils.stateless as stateless
 
     return {
-        "generator": tuc._checkpoint_without_reentrant_generator,
+        "generator": getattr(tuc, NON_REENTRANT_ATTRIBUTE),
         "apply-in-class-dict": tuc.CheckpointFunction.__dict__.get("apply"),
         "warnings": tuc.warnings,
         "reparametrize": stateless._reparametrize_module,
-        "reparametrize-cell": stateless._reparametrize_module.__closure__[0].cell_contents,
+        "reparametrize-swap": _swap_hook_point(stateless),
         "checkpoint": tuc.checkpoint,
     }
+
+
+def _swap_hook_point(stateless):
+    """What the guard replaces to see functional_call's swaps, as a comparable tuple.
+
+    torch 2.5–2.6: the ``_ReparametrizeModule`` class's own ``__enter__`` /
+    ``__exit__``; other releases: the generator in ``_reparametrize_module``'s
+    closure cell.
+    """
+    swap_class = getattr(stateless, "_ReparametrizeModule", None)
+    if isinstance(swap_class, type):
+        return tuple(vars(swap_class).get(name) for name in ("__enter__", "__exit__"))
+    return (stateless._reparametrize_module.__closure__[0].cell_contents,)
+
+
+def _swap_hook_point_now():
+    import torch.nn.utils.stateless as stateless
+
+    return _swap_hook_point(stateless)
+
 
 
 def test_uninstall_restores_identity():
@@ -158,13 +238,16 @@ def test_uninstall_restores_identity():
     during = _patchable_objects()
     assert during["generator"] is not before["generator"]
     assert during["apply-in-class-dict"] is not None
-    assert during["reparametrize-cell"] is not before["reparametrize-cell"]
+    assert during["reparametrize-swap"] != before["reparametrize-swap"]
     assert during["checkpoint"] is before["checkpoint"]  # never touched: dynamo matches it by identity
     assert during["reparametrize"] is before["reparametrize"]
     ckpt_guard.uninstall()
     after = _patchable_objects()
     for name in before:
-        assert after[name] is before[name], name
+        if name == "reparametrize-swap":  # a tuple of the objects
+            assert all(a is b for a, b in zip(after[name], before[name])), name
+        else:
+            assert after[name] is before[name], name
     assert "apply" not in tuc.CheckpointFunction.__dict__
     assert not ckpt_guard.is_installed()
     ckpt_guard.uninstall()  # twice is safe
@@ -191,14 +274,14 @@ def test_composable_module_imported_before_install_is_patched_and_restored():
     import torch.distributed._composable.checkpoint_activation as composable
 
     ckpt_guard.uninstall()
-    original = composable._checkpoint_without_reentrant_generator
+    original = getattr(composable, NON_REENTRANT_ATTRIBUTE)
     ckpt_guard.install("strict")
     try:
-        assert composable._checkpoint_without_reentrant_generator is tuc._checkpoint_without_reentrant_generator
-        assert composable._checkpoint_without_reentrant_generator is not original
+        assert getattr(composable, NON_REENTRANT_ATTRIBUTE) is getattr(tuc, NON_REENTRANT_ATTRIBUTE)
+        assert getattr(composable, NON_REENTRANT_ATTRIBUTE) is not original
     finally:
         ckpt_guard.uninstall()
-    assert composable._checkpoint_without_reentrant_generator is original
+    assert getattr(composable, NON_REENTRANT_ATTRIBUTE) is original
 
 
 # ---------------------------------------------------------------------------
@@ -293,40 +376,97 @@ def test_rule_table_is_complete():
 # robustness
 
 
-def test_missing_choke_point_warns_once_and_the_rest_still_works():
+# A torch whose layout the guard does not know, simulated: the non-reentrant
+# choke point (under either layout's name) becomes a plain function, and
+# optionally CheckpointFunction.apply a staticmethod.
+_OTHER_LAYOUT = """
+import warnings, torch
+import torch.utils.checkpoint as tuc
+for name in ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator"):
+    if hasattr(tuc, name):
+        original = getattr(tuc, name)
+        setattr(tuc, name, (lambda original: lambda *a, **k: original(*a, **k))(original))
+if NO_REENTRANT_EITHER:
+    raw_apply = tuc.CheckpointFunction.apply
+    tuc.CheckpointFunction.apply = staticmethod(lambda *a: raw_apply(*a))
+import ckpt_guard
+"""
+
+
+def test_missing_choke_point_warns_once_naming_what_stays_unguarded():
     result = _run(
-        """
-        import warnings, torch
-        import torch.utils.checkpoint as tuc
-        original = tuc._checkpoint_without_reentrant_generator
-
-        def other_layout(fn, *args, **kwargs):  # as if another torch reorganised it
-            return original(fn, *args, **kwargs)
-
-        tuc._checkpoint_without_reentrant_generator = other_layout
-        import ckpt_guard
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            ckpt_guard.install("strict")
-        notes = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
-        print(len(notes))
-        print(notes[0])
-        try:
-            torch.func.vmap(lambda t: tuc.checkpoint(torch.sin, t, use_reentrant=True))(torch.randn(2, 3))
-        except ckpt_guard.CheckpointCompositionError as e:
-            print("still guarded", e.rule.id)
-        try:
-            torch.func.grad(lambda t: tuc.checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
-        except RuntimeError as e:
-            print("unguarded:", type(e).__name__)
-        """
+        _OTHER_LAYOUT.replace("NO_REENTRANT_EITHER", "False")
+        + """
+with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    ckpt_guard.install("strict")
+notes = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+print(len(notes))
+print(notes[0])
+from ckpt_guard import _patch
+print(_patch.interception())
+try:
+    torch.func.vmap(lambda t: tuc.checkpoint(torch.sin, t, use_reentrant=True))(torch.randn(2, 3))
+except ckpt_guard.CheckpointCompositionError as e:
+    print("still guarded", e.rule.id)
+try:
+    torch.func.grad(lambda t: tuc.checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
+except RuntimeError as e:
+    print("unguarded:", type(e).__name__)
+"""
     )
     lines = result.stdout.splitlines()
-    assert lines[0] == "1", result.stdout + result.stderr
-    assert "cannot patch torch.utils.checkpoint._checkpoint_without_reentrant_generator" in lines[1]
-    assert "(not a generator function); calls through it stay unguarded" in lines[1]
-    assert lines[2] == "still guarded CKG002"
-    assert lines[3] == "unguarded: RuntimeError"  # torch's own error, the guard stepped aside
+    assert lines and lines[0] == "1", result.stdout + result.stderr
+    assert "cannot patch part of torch.utils.checkpoint" in lines[1]
+    assert "these stay unguarded: checkpoint(use_reentrant=False)" in lines[1]
+    assert "the composable checkpoint(module)" in lines[1]
+    assert "is not a generator function" in lines[1]
+    assert lines[2].startswith("PARTIAL: reentrant via CheckpointFunction.apply; NOT guarded: non-reentrant"), lines[2]
+    assert lines[3] == "still guarded CKG002"
+    assert lines[4] == "unguarded: RuntimeError"  # torch's own error, the guard stepped aside
+
+
+def test_no_choke_point_strict_raises_one_clear_error():
+    result = _run(
+        _OTHER_LAYOUT.replace("NO_REENTRANT_EITHER", "True")
+        + """
+from ckpt_guard._patch import UnsupportedTorchError
+try:
+    ckpt_guard.install("strict")
+except UnsupportedTorchError as e:
+    print("raised", isinstance(e, RuntimeError), ckpt_guard.is_installed())
+    print(e)
+"""
+    )
+    lines = result.stdout.splitlines()
+    assert lines and lines[0] == "raised True False", result.stdout + result.stderr
+    message = lines[1]
+    assert f"torch {torch.__version__} has no checkpoint choke point ckpt_guard knows" in message
+    assert "non-reentrant checkpoint:" in message and "reentrant checkpoint: CheckpointFunction.apply is a staticmethod" in message
+    assert "install a tested torch" in message and "(Raised because the policy is strict.)" in message
+
+
+@pytest.mark.parametrize("policy", ["warn", "fallback"])
+def test_no_choke_point_warns_once_under_other_policies(policy):
+    result = _run(
+        _OTHER_LAYOUT.replace("NO_REENTRANT_EITHER", "True")
+        + f"""
+with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    ckpt_guard.install({policy!r})
+    ckpt_guard.install({policy!r})  # reconfiguring does not warn again
+notes = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+print(len(notes))
+print(notes[0])
+from ckpt_guard import _patch
+print(_patch.interception())
+"""
+    )
+    lines = result.stdout.splitlines()
+    assert lines and lines[0] == "1", result.stdout + result.stderr
+    assert "no checkpoint call would be guarded" in lines[1]
+    assert "Everything else is guarded" not in lines[1]
+    assert lines[2].startswith("NOT WORKING, nothing is guarded: ")
 
 
 def test_unsupported_torch_version_is_one_clear_error():
@@ -340,6 +480,8 @@ def test_unsupported_torch_version_is_one_clear_error():
 
 def test_install_uninstall_from_threads_while_training():
     """Concurrent install/uninstall/policy while other threads run checkpointed steps."""
+    ckpt_guard.uninstall()
+    swap_hook_point_before = _swap_hook_point_now()
     torch.manual_seed(0)
     block = torch.nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
@@ -383,9 +525,9 @@ def test_install_uninstall_from_threads_while_training():
     assert "apply" not in tuc.CheckpointFunction.__dict__
     import torch.nn.utils.stateless as stateless
 
-    assert tuc._checkpoint_without_reentrant_generator.__name__ == "_checkpoint_without_reentrant_generator"
-    assert not hasattr(tuc._checkpoint_without_reentrant_generator, "__ckpt_guard_original__")
-    assert not hasattr(stateless._reparametrize_module.__closure__[0].cell_contents, "__ckpt_guard_original__")
+    assert getattr(tuc, NON_REENTRANT_ATTRIBUTE).__name__ == NON_REENTRANT_ATTRIBUTE
+    assert not hasattr(getattr(tuc, NON_REENTRANT_ATTRIBUTE), "__ckpt_guard_original__")
+    assert _swap_hook_point(stateless) == swap_hook_point_before
 
 
 def test_errors_and_warnings_are_public_and_picklable():

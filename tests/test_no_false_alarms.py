@@ -42,7 +42,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionWarning
 from ckpt_guard._compositions import KNOWN_FALSE_ALARMS, SAFE_COMPOSITIONS
+from ckpt_guard._layouts import find_non_reentrant, find_reentrant
 from ckpt_guard._rules import REENTRANT
+from ckpt_guard._versions import installed
+
+HERE = installed()
+#: the non-reentrant choke point's name on this torch (torch's own, before any install)
+NON_REENTRANT_ATTRIBUTE = find_non_reentrant(tuc)[0].attribute
 
 
 def reference(fn, *args, use_reentrant=None, **kwargs):
@@ -64,22 +70,23 @@ def strict_guard():
 def count_choke_point_calls():
     """Count calls that reach a checkpoint choke point (whatever is installed there now).
 
-    Wraps, for the duration of the block, the non-reentrant generator (in
-    ``torch.utils.checkpoint`` and in the composable API's module) and
-    ``CheckpointFunction.apply``; each wrapper just counts and calls through.
+    Wraps, for the duration of the block, the non-reentrant choke point of
+    this torch's layout (in ``torch.utils.checkpoint`` and in the composable
+    API's module) and ``CheckpointFunction.apply``; each wrapper just counts
+    and calls through.
     """
     calls = [0]
     restores = []
 
     def wrap_generator(module):
-        current = module._checkpoint_without_reentrant_generator
+        current = getattr(module, NON_REENTRANT_ATTRIBUTE)
 
         def counted(*args, **kwargs):
             calls[0] += 1
             return current(*args, **kwargs)
 
-        module._checkpoint_without_reentrant_generator = counted
-        restores.append(lambda: setattr(module, "_checkpoint_without_reentrant_generator", current))
+        setattr(module, NON_REENTRANT_ATTRIBUTE, counted)
+        restores.append(lambda: setattr(module, NON_REENTRANT_ATTRIBUTE, current))
 
     wrap_generator(tuc)
     wrap_generator(composable_module)
@@ -87,7 +94,9 @@ def count_choke_point_calls():
     cls = tuc.CheckpointFunction
     had_own = "apply" in vars(cls)
     own = vars(cls).get("apply")
-    apply_func = inspect.getattr_static(cls, "apply").__func__
+    current_apply = inspect.getattr_static(cls, "apply")
+    # the guard's classmethod, or torch's (a classmethod, or in C from 2.14)
+    apply_func = current_apply.__func__ if isinstance(current_apply, classmethod) else find_reentrant(tuc)[1]
 
     def counted_apply(klass, *args):
         calls[0] += 1
@@ -138,8 +147,19 @@ def _check_no_false_alarm(composition, variant):
         assert torch.equal(got, want), f"tensor {i} differs from raw torch"
 
 
+def _not_here(composition):
+    """Skip a composition torch does not get right on the installed release (test_rules covers it)."""
+    return pytest.mark.skip(
+        reason=f"torch gets {composition.name} right on {composition.torch_range}, not on the installed "
+        f"{torch.__version__}" + (f"; here it is a case of {composition.otherwise} (test_rules.py)"
+                                   if composition.otherwise else "")
+    )
+
+
 SAFE_CASES = [
-    pytest.param(c, v, id=f"{c.name}[{v}]") for c in SAFE_COMPOSITIONS for v in c.variants
+    pytest.param(c, v, id=f"{c.name}[{v}]", marks=() if c.holds_on(HERE) else _not_here(c))
+    for c in SAFE_COMPOSITIONS
+    for v in c.variants
 ]
 
 
@@ -168,7 +188,7 @@ FALSE_ALARM_CASES = [
         # raises=: torch itself must pass (that is asserted first); only the guard's error is expected
         marks=pytest.mark.xfail(
             strict=True, raises=ckpt_guard.CheckpointCompositionError, reason=FALSE_ALARM_REASONS[c.name]
-        ),
+        ) if c.holds_on(HERE) else _not_here(c),
     )
     for c in KNOWN_FALSE_ALARMS
     for v in c.variants
@@ -399,13 +419,19 @@ def test_functional_call_under_compile_same_as_torch(fresh_dynamo, fullgraph):
         _reset_dynamo()
         fn = torch.compile(lambda p, t: torch.func.functional_call(module, p, (t,)).sin().sum(),
                            backend="eager", fullgraph=fullgraph)
-        out = fn(params, x)
+        try:
+            out = fn(params, x)
+        except Exception as exc:  # noqa: BLE001 - torch 2.4 cannot compile it with fullgraph=True
+            return type(exc), _graph_breaks()
         grads = torch.autograd.grad(out, list(params.values()))
         return [out.detach(), *grads], _graph_breaks()
 
     (got, got_breaks), (raw, raw_breaks) = _guarded_and_raw(run)
-    for g, r in zip(got, raw):
-        assert torch.equal(g, r)
+    if isinstance(raw, type):  # raw torch raised: the guarded run raises the same
+        assert got is raw, (got, raw)
+    else:
+        for g, r in zip(got, raw):
+            assert torch.equal(g, r)
     assert got_breaks == raw_breaks
 
 
@@ -463,12 +489,15 @@ def test_uninstall_restores_composable_imported_after_install():
     code = textwrap.dedent(
         """
         import torch, torch.utils.checkpoint as tuc, ckpt_guard
-        original = tuc._checkpoint_without_reentrant_generator
+        from ckpt_guard._layouts import find_non_reentrant
+        name = find_non_reentrant(tuc)[0].attribute
+        original = getattr(tuc, name)
         ckpt_guard.install("strict")
         import torch.distributed._composable.checkpoint_activation as ca
+        assert getattr(ca, name) is not original, "premise: the late import copied the guarded one"
         ckpt_guard.uninstall()
-        assert tuc._checkpoint_without_reentrant_generator is original
-        assert ca._checkpoint_without_reentrant_generator is original, "composable left patched"
+        assert getattr(tuc, name) is original
+        assert getattr(ca, name) is original, "composable left patched"
         """
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,0 +1,311 @@
+"""Adapters: where each torch release's checkpoint passes, and how to guard it there.
+
+Every way into activation checkpointing (``checkpoint``, its curried form,
+``checkpoint_sequential``, names bound before ``install()``, partials,
+``checkpoint_wrapper`` / ``apply_activation_checkpointing``, the composable
+``checkpoint(module)``) ends in one of two internal *choke points* of
+``torch.utils.checkpoint``, looked up at call time as module globals.  Their
+names and signatures move between torch releases; this module is the one place
+that knows how.  The rest of the guard sees one interface: "this call is about
+to checkpoint ``function`` over these inputs; what do I run instead?"
+(:func:`ckpt_guard._decide.prepare_call`).
+
+Non-reentrant layouts, detected by feature (the attribute and its signature),
+never by version number, newest first:
+
+``generator_impl`` (torch 2.14+)
+    ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *,
+    preserve_rng_state, context_fn, determinism_check, debug, early_stop, ...)``,
+    called by ``_checkpoint_impl`` (behind ``checkpoint``, its curried form and
+    ``checkpoint_sequential``) and imported by the composable API.  The old
+    name survives as a shim over it that torch itself no longer calls.
+``generator`` (torch 2.4–2.13)
+    ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state,
+    context_fn, determinism_check, debug[, early_stop], *args, **kwargs)``,
+    called by ``checkpoint`` and imported by the composable API.
+
+Both are generators with one protocol: ``next`` before the forward, the
+forward itself (run by the caller), ``next`` after it, ``throw`` if the forward
+raised (2.13+).  The guarded replacement keeps that protocol.
+
+The reentrant choke point is ``CheckpointFunction.apply(function,
+preserve_rng_state, *args)``, inherited from ``torch.autograd.Function``: a
+Python ``classmethod`` up to 2.13, a C ``classmethod_descriptor`` from 2.14.
+Either way a classmethod set on ``CheckpointFunction`` shadows it and sees
+every reentrant call; the original is called as ``raw(cls, *args)``.
+
+A torch whose checkpoint matches none of these is reported, naming the entry
+points that stay unguarded (:data:`NON_REENTRANT_ENTRY_POINTS`,
+:data:`REENTRANT_ENTRY_POINTS`), by ``_patch``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+#: What stays unguarded when a choke point cannot be patched.
+NON_REENTRANT_ENTRY_POINTS = (
+    "checkpoint(use_reentrant=False) (also curried), checkpoint_sequential(use_reentrant=False), "
+    "checkpoint_wrapper / apply_activation_checkpointing with NO_REENTRANT (their default), "
+    "the composable checkpoint(module)"
+)
+REENTRANT_ENTRY_POINTS = (
+    "checkpoint(use_reentrant=True, or not passed), checkpoint_sequential(use_reentrant=True, "
+    "or not passed), checkpoint_wrapper(checkpoint_impl=REENTRANT)"
+)
+
+#: The public functions that warn when ``use_reentrant`` is not passed (the
+#: frame that calls ``warnings.warn``): ``checkpoint`` up to 2.13,
+#: ``_checkpoint_impl`` from 2.14, ``checkpoint_sequential`` in all.
+_DEFAULT_WARNING_FUNCTIONS = ("checkpoint", "_checkpoint_impl", "checkpoint_sequential")
+
+
+class Unsupported(Exception):
+    """This torch has no choke point where any known layout expects one."""
+
+
+# --------------------------------------------------------------------------
+# generator stand-ins (same protocol as torch's generator)
+
+
+def run_plainly(forward_context: Any = None) -> Iterator[None]:
+    """Stands in for torch's generator when fallback runs without checkpointing.
+
+    The user's forward context (``context_fn()[0]``, e.g. autocast) still wraps
+    the forward, as it would under torch's checkpoint.
+    """
+    if forward_context is None:
+        yield
+        return
+    with forward_context:
+        yield
+
+
+def watch_forward_rng(inner: Iterator[Any], drew: list) -> Iterator[Any]:
+    """torch's generator, plus: did the forward (run between its two steps) draw random numbers?
+
+    Same protocol as torch's: ``next`` before the forward, ``next`` after it
+    (ending the generator), ``throw`` if the forward raised.
+    """
+    import torch
+
+    value = next(inner)
+    before = torch.get_rng_state()
+    try:
+        yield value
+    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
+        try:
+            value = inner.throw(exc)
+        except StopIteration:
+            return
+        yield value
+        return
+    drew[0] = not torch.equal(before, torch.get_rng_state())
+    yield from inner
+
+
+# --------------------------------------------------------------------------
+# non-reentrant layouts
+
+
+@dataclass(frozen=True)
+class NonReentrantLayout:
+    """One internal layout of the non-reentrant choke point."""
+
+    name: str
+    releases: str  # which torch releases have it (documentation)
+    attribute: str  # the module global in torch.utils.checkpoint (and the composable API)
+    #: ``mismatch(original)``: None if ``original`` has this layout, else why not
+    mismatch: Callable[[Callable[..., Any]], Optional[str]]
+    #: ``guard(original)``: the replacement, same signature and protocol
+    guard: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _fixed_positional(function: Callable[..., Any]) -> Optional[list]:
+    """Names of the positional parameters before ``*args``; None without ``*args``."""
+    names = []
+    for param in inspect.signature(function).parameters.values():
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            return names
+        if param.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(param.name)
+    return None
+
+
+def _generator_mismatch(original: Callable[..., Any]) -> Optional[str]:
+    names = _fixed_positional(original)
+    if names is None:
+        return "its signature has no *args"
+    if names[:2] != ["fn", "preserve_rng_state"] or "context_fn" not in names:
+        return f"its parameters before *args are {names}, not (fn, preserve_rng_state, context_fn, ...)"
+    return None
+
+
+def _guard_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch 2.4–2.13: ``(fn, preserve_rng_state, context_fn, ..., *args, **kwargs)``."""
+    from . import _decide
+
+    names = _fixed_positional(original) or []
+    n_options = len(names) - 1  # the options between fn and the inputs
+    context_index = names.index("context_fn") - 1
+    prepare, STEP_ASIDE, NO_CHECKPOINT, RngWatch = (
+        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
+    )
+
+    def _checkpoint_without_reentrant_generator(fn: Any, *args: Any, **kwargs: Any):
+        # args: torch's options after fn (preserve_rng_state, context_fn, ...), then the inputs
+        context_fn = args[context_index] if len(args) > context_index else None
+        decision = prepare(False, fn, args, n_options, context_fn, args[0] if args else True)
+        if decision is STEP_ASIDE:
+            return original(fn, *args, **kwargs)
+        if decision is NO_CHECKPOINT:
+            return run_plainly(_decide.forward_context_of(context_fn))
+        if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
+            inner = original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
+            return watch_forward_rng(inner, decision.drew)
+        return original(decision, *args, **kwargs)
+
+    return _checkpoint_without_reentrant_generator
+
+
+def _generator_impl_mismatch(original: Callable[..., Any]) -> Optional[str]:
+    params = list(inspect.signature(original).parameters.values())
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    keywords = {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    if positional != ["fn", "args", "kwargs"]:
+        return f"its positional parameters are {positional}, not (fn, args, kwargs)"
+    if not {"preserve_rng_state", "context_fn"} <= keywords:
+        return "it takes no keyword-only preserve_rng_state and context_fn"
+    return None
+
+
+def _guard_generator_impl(original: Callable[..., Any]) -> Callable[..., Any]:
+    """torch 2.14+: ``(fn, args, kwargs, *, preserve_rng_state, context_fn, ...)``."""
+    from . import _decide
+
+    prepare, STEP_ASIDE, NO_CHECKPOINT, RngWatch = (
+        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
+    )
+
+    def _checkpoint_without_reentrant_generator_impl(fn: Any, args: Any, kwargs: Any, **options: Any):
+        context_fn = options.get("context_fn")
+        decision = prepare(False, fn, args, 0, context_fn, options.get("preserve_rng_state", True))
+        if decision is STEP_ASIDE:
+            return original(fn, args, kwargs, **options)
+        if decision is NO_CHECKPOINT:
+            return run_plainly(_decide.forward_context_of(context_fn))
+        if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
+            options["preserve_rng_state"] = decision.preserve_rng_state
+            return watch_forward_rng(original(decision.function, args, kwargs, **options), decision.drew)
+        return original(decision, args, kwargs, **options)
+
+    return _checkpoint_without_reentrant_generator_impl
+
+
+#: Newest first: a torch that has both names (2.14+ keeps the old one as a shim) uses the new one.
+NON_REENTRANT_LAYOUTS: Tuple[NonReentrantLayout, ...] = (
+    NonReentrantLayout(
+        name="generator_impl",
+        releases="torch 2.14+",
+        attribute="_checkpoint_without_reentrant_generator_impl",
+        mismatch=_generator_impl_mismatch,
+        guard=_guard_generator_impl,
+    ),
+    NonReentrantLayout(
+        name="generator",
+        releases="torch 2.4–2.13",
+        attribute="_checkpoint_without_reentrant_generator",
+        mismatch=_generator_mismatch,
+        guard=_guard_generator,
+    ),
+)
+
+
+def find_non_reentrant(module: Any) -> Tuple[NonReentrantLayout, Callable[..., Any]]:
+    """The layout ``torch.utils.checkpoint`` has, and torch's own choke point.
+
+    Also right while the guard is installed (it sees through the guarded
+    function).  Raises :class:`Unsupported` saying what was looked for and
+    what was found.
+    """
+    found = []
+    for layout in NON_REENTRANT_LAYOUTS:
+        original = getattr(module, layout.attribute, None)
+        original = getattr(original, "__ckpt_guard_original__", original)  # seen through an installed guard
+        if original is None:
+            found.append(f"no {layout.attribute} ({layout.releases})")
+            continue
+        if not inspect.isgeneratorfunction(original):
+            found.append(f"{layout.attribute} is not a generator function ({layout.releases} layout expected one)")
+            continue
+        why = layout.mismatch(original)
+        if why is None:
+            return layout, original
+        found.append(f"{layout.attribute}: {why}")
+    raise Unsupported("; ".join(found))
+
+
+# --------------------------------------------------------------------------
+# the reentrant choke point
+
+
+def find_reentrant(module: Any) -> Tuple[type, Callable[..., Any]]:
+    """``(CheckpointFunction, raw)``, ``raw(cls, function, preserve_rng_state, *args)`` being torch's apply.
+
+    Raises :class:`Unsupported` if ``apply`` is neither kind of classmethod.
+    """
+    function_class = getattr(module, "CheckpointFunction", None)
+    if function_class is None:
+        raise Unsupported("no CheckpointFunction")
+    descriptor = inspect.getattr_static(function_class, "apply", None)
+    if isinstance(descriptor, classmethod):  # torch <= 2.13: Function.apply in Python
+        return function_class, descriptor.__func__
+    if isinstance(descriptor, types.ClassMethodDescriptorType):  # torch 2.14+: in C, callable as (cls, *args)
+        return function_class, descriptor
+    raise Unsupported(
+        f"CheckpointFunction.apply is a {type(descriptor).__name__}, neither a classmethod nor a "
+        "classmethod_descriptor"
+    )
+
+
+def guard_apply(raw_apply: Callable[..., Any]) -> classmethod:
+    """The classmethod that shadows ``CheckpointFunction.apply``."""
+    from . import _decide
+
+    prepare, STEP_ASIDE, NO_CHECKPOINT, RngWatch = (
+        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
+    )
+    NON_REENTRANT_INSTEAD = _decide.NON_REENTRANT_INSTEAD
+
+    def apply(cls, function, preserve_rng_state, *args):
+        decision = prepare(True, function, args, 0, None, preserve_rng_state)
+        if type(decision) is RngWatch:  # preserve_rng_state=False: the forward runs through it
+            return raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
+        if decision is STEP_ASIDE:
+            return raw_apply(cls, function, preserve_rng_state, *args)
+        if decision is NO_CHECKPOINT:
+            return function(*args)
+        if decision is NON_REENTRANT_INSTEAD:
+            import torch.utils.checkpoint as tuc
+
+            return tuc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        return raw_apply(cls, decision, preserve_rng_state, *args)
+
+    apply.__ckpt_guard_original__ = raw_apply  # type: ignore[attr-defined]
+    return classmethod(apply)
+
+
+# --------------------------------------------------------------------------
+# telling whether use_reentrant was passed
+
+
+def default_warning_codes(module: Any) -> tuple:
+    """Code objects of the functions that warn when ``use_reentrant`` was not passed."""
+    return tuple(
+        inspect.unwrap(getattr(module, name)).__code__  # checkpoint is wrapped by torch._disable_dynamo
+        for name in _DEFAULT_WARNING_FUNCTIONS
+        if callable(getattr(module, name, None))
+    )
