@@ -216,6 +216,7 @@ def main(argv=None) -> int:
     bare_ms, imp_ms, torch_loaded = measure_import(args.import_runs)
 
     import torch
+    import torch.utils.checkpoint  # noqa: F401 - torch < 2.5 does not import it with torch
     import ckpt_guard
 
     torch.set_num_threads(1)
