@@ -61,15 +61,19 @@ def install(policy: Optional[str] = None, *, rules: RulesArg = None) -> None:
 
 
 def uninstall() -> None:
-    """Put back everything ``install()`` replaced.  Safe to call twice."""
-    patch = sys.modules.get(f"{__name__}._patch")
-    if patch is not None:  # never imported: nothing was ever installed
-        patch.uninstall()
+    """Put back everything ``install()`` replaced.  Safe to call twice, from any thread."""
+    if f"{__name__}._patch" in sys.modules:  # else never imported: nothing was ever installed
+        from . import _patch  # waits if another thread is still importing it (its first install())
+
+        _patch.uninstall()
 
 
 def is_installed() -> bool:
-    patch = sys.modules.get(f"{__name__}._patch")
-    return patch is not None and patch.is_installed()
+    if f"{__name__}._patch" not in sys.modules:
+        return False
+    from . import _patch  # waits if another thread is still importing it
+
+    return _patch.is_installed()
 
 
 @contextlib.contextmanager
@@ -82,7 +86,7 @@ def policy(policy: str, *, rules: RulesArg = None) -> Iterator[None]:
     """
     from . import _config
 
-    token = _config.push_scope(_config.build_config(policy, rules, read_env=False))
+    token = _config.push_scope(_config.build_config(policy, rules, read_env=False, source="scope"))
     try:
         yield
     finally:

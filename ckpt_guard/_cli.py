@@ -279,7 +279,7 @@ def _cmd_explain(rule_id: str) -> int:
     wanted = rule_id.strip().upper()
     rule = next((r for r in RULES if r.id == wanted), None)
     if rule is None:
-        raise UsageError(f"unknown rule id {rule_id!r}; valid rule ids: {', '.join(RULE_IDS)}")
+        raise UsageError(f"unknown rule id {_config.shown(rule_id)}; valid rule ids: {', '.join(RULE_IDS)}")
     stage = {
         "call": "call (decided when checkpoint is called)",
         "recompute": "recompute (checked when the backward recomputes the block)",
@@ -390,7 +390,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         else:
             sys.path.insert(0, first)
 
-    ckpt_guard.install(policy, rules=rules)  # None: from the environment, as install() reads it
+    from . import _patch
+
+    source = "cli" if policy is not None or rules is not None else "env"
+    config = _config.build_config(policy, rules, read_env=True, source=source)
+    _guard_child_processes(config)
+    _patch.install(config)
     sys.argv = [target, *program_args]
     try:
         if as_module:
@@ -399,10 +404,40 @@ def _cmd_run(args: argparse.Namespace) -> int:
             runpy.run_path(target, run_name="__main__")
     except SystemExit:
         raise  # the program's own exit status, exactly as python would use it
-    except Exception as exc:  # noqa: BLE001 - report it as python would, from the program's code
+    except BaseException as exc:  # noqa: BLE001 - report it as python would, from the program's code
         if as_module and isinstance(exc, ImportError) and _innermost_module(exc.__traceback__) == "runpy":
             raise UsageError(str(exc)) from None  # runpy could not find or run the module
         tb = _user_traceback(exc.__traceback__)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, KeyboardInterrupt):
+            _exit_by_sigint()
         return 1
     return 0
+
+
+def _guard_child_processes(config: _config.Config) -> None:
+    """Child interpreters of the program install the guard too, with this configuration.
+
+    Through the environment they inherit: ``CKPT_GUARD_RUN=1``, the policy and
+    rules, and ``ckpt_guard/_autoinstall`` first on ``PYTHONPATH`` (its
+    ``sitecustomize`` installs the guard at start-up).  A forked child needs
+    none of it: it inherits the installed guard itself.
+    """
+    os.environ["CKPT_GUARD_RUN"] = "1"
+    os.environ[_config.ENV_POLICY] = config.policy
+    os.environ[_config.ENV_RULES] = ",".join(f"{k}={v}" for k, v in sorted(config.overrides.items()))
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_autoinstall")
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != folder]
+    os.environ["PYTHONPATH"] = os.pathsep.join([folder, *rest])
+
+
+def _exit_by_sigint() -> None:
+    """End as python does after an uncaught KeyboardInterrupt: killed by SIGINT (status 130)."""
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if hasattr(signal, "SIGINT") and hasattr(os, "kill"):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    raise SystemExit(130)

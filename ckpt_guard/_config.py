@@ -34,12 +34,18 @@ ENV_RULES = "CKPT_GUARD_RULES"
 SEVERITY = {"off": 0, "warn": 1, "fallback": 2, "strict": 3}
 
 
+#: Where a configuration came from; messages name the channel in their fix lines.
+SOURCES = ("default", "env", "install", "scope", "cli", "pytest-option", "pytest-ini", "marker")
+
+
 @dataclass(frozen=True)
 class Config:
     """An immutable, validated configuration."""
 
     policy: str = DEFAULT_POLICY
     overrides: Mapping[str, str] = field(default_factory=dict)
+    #: one of SOURCES: how the user set it (so a hint can say how to change it)
+    source: str = field(default="install", compare=False)
 
     #: False when every rule is off: the patch points then step aside at once.
     active: bool = field(init=False)
@@ -62,6 +68,14 @@ class Config:
         return f"{self.policy} (rules: {rules})"
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to about ``limit`` characters."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit - 1]}… ({len(text)} characters)"
+
+
 def _known_rule_ids() -> tuple[str, ...]:
     from ._rules import RULE_IDS
 
@@ -73,7 +87,7 @@ def check_policy(value: object, source: str) -> str:
     if isinstance(value, str) and value.strip().lower() in POLICIES:
         return value.strip().lower()
     raise ValueError(
-        f"ckpt_guard: unknown policy {value!r} from {source}; "
+        f"ckpt_guard: unknown policy {shown(value)} from {source}; "
         f"valid choices: {', '.join(POLICIES)}"
     )
 
@@ -83,7 +97,7 @@ def _check_rule_id(rule_id: object, source: str) -> str:
     if isinstance(rule_id, str) and rule_id.strip().upper() in known:
         return rule_id.strip().upper()
     raise ValueError(
-        f"ckpt_guard: unknown rule id {rule_id!r} from {source}; "
+        f"ckpt_guard: unknown rule id {shown(rule_id)} from {source}; "
         f"valid rule ids: {', '.join(known)}"
     )
 
@@ -98,13 +112,12 @@ def parse_rules_spec(spec: str, source: str) -> dict[str, str]:
         rule_id, sep, policy_name = item.partition("=")
         if not sep or not rule_id.strip() or not policy_name.strip():
             raise ValueError(
-                f"ckpt_guard: malformed rule override {item!r} in {source}={spec!r}; "
+                f"ckpt_guard: malformed rule override {shown(item)} in {source}={shown(spec)}; "
                 f"expected ID=POLICY[,ID=POLICY...], e.g. CKG001=warn, "
                 f"with POLICY one of {', '.join(POLICIES)}"
             )
-        overrides[_check_rule_id(rule_id, source)] = check_policy(
-            policy_name, f"{source} (rule {rule_id.strip()})"
-        )
+        known_id = _check_rule_id(rule_id, source)
+        overrides[known_id] = check_policy(policy_name, f"{source} (rule {known_id})")
     return overrides
 
 
@@ -117,18 +130,23 @@ def check_rules(rules: object, source: str) -> dict[str, str]:
     if not isinstance(rules, Mapping):
         raise ValueError(
             f"ckpt_guard: {source} must be a mapping of rule id to policy "
-            f"(e.g. {{'CKG001': 'warn'}}), got {rules!r}"
+            f"(e.g. {{'CKG001': 'warn'}}), got {shown(rules)}"
         )
-    return {
-        _check_rule_id(rule_id, source): check_policy(p, f"{source}[{rule_id!r}]")
-        for rule_id, p in rules.items()
-    }
+    checked = {}
+    for rule_id, p in rules.items():
+        known_id = _check_rule_id(rule_id, source)
+        checked[known_id] = check_policy(p, f"{source}[{known_id!r}]")
+    return checked
 
 
 def build_config(
-    policy: str | None, rules: Mapping[str, str] | str | None, *, read_env: bool
+    policy: str | None, rules: Mapping[str, str] | str | None, *, read_env: bool, source: str = "install"
 ) -> Config:
-    """Validate arguments, falling back to the environment when ``read_env``."""
+    """Validate arguments, falling back to the environment when ``read_env``.
+
+    ``source``: how the arguments were given (see :data:`SOURCES`); a policy
+    read from the environment (or defaulted) records that instead.
+    """
     if policy is None and read_env:
         env_value = os.environ.get(ENV_POLICY, "")
         base = (
@@ -136,6 +154,7 @@ def build_config(
             if env_value.strip()
             else DEFAULT_POLICY
         )
+        source = "env" if env_value.strip() or os.environ.get(ENV_RULES, "").strip() else "default"
     elif policy is None:
         base = DEFAULT_POLICY
     else:
@@ -146,11 +165,11 @@ def build_config(
         )
     else:
         overrides = check_rules(rules, "argument 'rules'")
-    return Config(base, overrides)
+    return Config(base, overrides, source)
 
 
 # The installed configuration (process-wide) and the scoped one (per context).
-_installed: Config = Config("off")
+_installed: Config = Config("off", source="default")
 _scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
     "ckpt_guard_scoped_config", default=None
 )
@@ -177,3 +196,21 @@ def push_scope(config: Config) -> contextvars.Token:
 
 def pop_scope(token: contextvars.Token) -> None:
     _scoped.reset(token)
+
+
+def how_to_set(source: str, policy: str, rule_id: str = "") -> str:
+    """How to set ``policy`` (for one rule, or for all) through the channel ``source``."""
+    rules = f"rules={{{rule_id!r}: {policy!r}}}"
+    if source == "scope":
+        return f"ckpt_guard.policy(..., {rules})" if rule_id else f"ckpt_guard.policy({policy!r})"
+    if source == "install":
+        return f"ckpt_guard.install(..., {rules})" if rule_id else f"ckpt_guard.install({policy!r})"
+    if source == "marker":
+        return f"@pytest.mark.ckpt_guard(..., {rules})" if rule_id else f"@pytest.mark.ckpt_guard({policy!r})"
+    if source == "pytest-option":
+        return f"--ckpt-guard-rules={rule_id}={policy}" if rule_id else f"--ckpt-guard={policy}"
+    if source == "pytest-ini":
+        return f"ini ckpt_guard_rules = {rule_id}={policy}" if rule_id else f"ini ckpt_guard = {policy}"
+    if source == "cli":
+        return f"--rules {rule_id}={policy}" if rule_id else f"--policy {policy}"
+    return f"{ENV_RULES}={rule_id}={policy}" if rule_id else f"{ENV_POLICY}={policy}"

@@ -19,9 +19,10 @@ import warnings
 from dataclasses import replace
 from functools import partial as _partial
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch as _torch
+import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _config, _events, _layouts, _state, _versions
@@ -64,13 +65,18 @@ _STDLIB_HELPERS = frozenset(
 )
 
 
+# code object -> is it library code?  Bounded: generated code (exec, torch.fx)
+# makes new code objects forever, and each entry keeps one alive.
 _library_codes: dict = {}
+_CACHE_LIMIT = 1024
 
 
 def _is_library_code(code: Any) -> bool:
     """Torch's, the guard's or a stdlib helper's code (cached per code object: hot path)."""
     known = _library_codes.get(code)
     if known is None:
+        if len(_library_codes) >= _CACHE_LIMIT:
+            _library_codes.clear()
         filename = code.co_filename
         known = _library_codes[code] = (
             filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename in _STDLIB_HELPERS
@@ -138,28 +144,28 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 # messages
 
 
-def _fixes(rule: Rule, policy: str) -> list[str]:
-    """The rule's remedy, then the policy changes that would help (not the one in force).
+def _fixes(rule: Rule, policy: str, source: str, remedy: str = "") -> list[str]:
+    """The remedy (``remedy`` where one fits this case better), then the policy changes that help.
 
-    Per-rule settings are shown because they win over any base policy; the
-    base policy may come from the environment, code or pytest options.
+    Never the policy in force; each written for the channel that set it
+    (environment, ``install()``, a ``policy()`` scope, a pytest marker or
+    option, the ``run`` launcher's flags).  Per-rule settings are shown
+    because they win over any base policy.
     """
-    fixes = [rule.remedy]
+    set_rule = functools.partial(_config.how_to_set, source)
+    fixes = [remedy or rule.remedy]
     if rule.fallback_helps and policy != "fallback":
         fixes.append(
-            f"use fallback for this rule, CKPT_GUARD_RULES={rule.id}=fallback (or fallback for "
-            f"all rules: CKPT_GUARD_POLICY=fallback, or where your code or pytest options set "
-            f"the policy): it {rule.fallback}"
+            f"use fallback for this rule, {set_rule('fallback', rule.id)} (or for all rules: "
+            f"{set_rule('fallback')}): it {rule.fallback}"
         )
-    if policy == "fallback":  # a risk seen at call time: strict keeps checkpointing
+    if policy == "fallback" and rule.stage == "recompute":  # a risk seen at call time
         fixes.append(
-            f"or keep checkpointing and raise only if the drift really happens: "
-            f"CKPT_GUARD_RULES={rule.id}=strict"
+            f"or keep checkpointing and raise only if the drift really happens: {set_rule('strict', rule.id)}"
         )
     others = [p for p in ("warn", "off") if p != policy]
     fixes.append(
-        f"or set this one rule to {' or '.join(others)}: "
-        + " / ".join(f"CKPT_GUARD_RULES={rule.id}={p}" for p in others)
+        f"or set this one rule to {' or '.join(others)}: " + " / ".join(set_rule(p, rule.id) for p in others)
     )
     return fixes
 
@@ -171,10 +177,13 @@ def build_message(
     transforms: str,
     variant: str,
     policy: str,
+    source: str = "env",
     change: str = "",
     action: str = "",
     forward_site: str = "",
     anticipated: bool = False,
+    remedy: str = "",
+    also: Sequence[str] = (),
 ) -> str:
     # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
     lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
@@ -188,10 +197,12 @@ def build_message(
     if change:
         lines.append(f"  changed since the forward: {change}")
     lines.append(f"  without the guard torch {rule.symptom}")
+    if also:
+        lines.append(f"  also applies here: {', '.join(also)} (python -m ckpt_guard explain ID)")
     if action:
         lines.append(f"  ckpt_guard: {action}")
     lines.append("  fix:")
-    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy))
+    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy, source, remedy))
     lines.append(f"  details: python -m ckpt_guard explain {rule.id}")
     return "\n".join(lines)
 
@@ -238,33 +249,40 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     variant = describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
     transforms = _state.describe_transforms(state.transforms)
 
+    also = [other.id for other, _ in firing if other is not rule]
     if policy == "strict":
         message = build_message(
-            rule, site=site, transforms=transforms, variant=variant, policy=policy,
-            action="raised before running the checkpointed function (policy strict)",
+            rule, site=site, transforms=transforms, variant=variant, policy=policy, source=config.source,
+            action="raised before running the checkpointed function (policy strict)", also=also,
         )
         _events.emit(rule.id, policy, "raised", site, "call")
         raise CheckpointCompositionError(message, rule)
 
     if policy == "warn":
         outcome = PROCEED
-    elif reentrant and _nothing_fires(replace(state, reentrant=False)):
+    elif reentrant and _nothing_fires(replace(state, reentrant=False)) and not _drift_risk(config, function):
         outcome = NON_REENTRANT_INSTEAD
     else:
         outcome = NO_CHECKPOINT
-    # The deciding rule reports what was done; other rules under "warn" report too.
+    # One call, one decision, one warning: the deciding rule's, naming the others;
+    # every rule that fired records what actually ran.
+    event, action = _OUTCOME_TEXT[outcome]
     for other, other_policy in firing:
-        if other is rule:
-            event, action = _OUTCOME_TEXT[outcome]
-        elif other_policy == "warn":
-            event, action = _OUTCOME_TEXT[PROCEED]
-        else:
-            continue
         _events.emit(other.id, other_policy, event, site, "call")
-        _warn(build_message(
-            other, site=site, transforms=transforms, variant=variant, policy=other_policy, action=action,
-        ), other)
+    _warn(build_message(
+        rule, site=site, transforms=transforms, variant=variant, policy=policy, source=config.source,
+        action=action, also=also,
+    ), rule)
     return outcome
+
+
+def _drift_risk(config: _config.Config, function: Any) -> bool:
+    """Would a non-reentrant checkpoint here be run without checkpointing anyway (a drift risk)?"""
+    forward_state = capture(function)
+    return risk_visible(forward_state) and any(
+        forward_state[index] and _DRIFT_HOLDS[index] and config.policy_for(DRIFT_RULES[index].id) == "fallback"
+        for index in _ANTICIPATED_INDICES
+    )
 
 
 # outcome -> (event action, message action)
@@ -284,6 +302,8 @@ _OUTCOME_TEXT = {
 
 _DRIFT_READERS = tuple(getattr(_state, rule.read) for rule in DRIFT_RULES)
 _DRIFT_RENDERERS = tuple(getattr(_state, rule.render) for rule in DRIFT_RULES)
+# per reader: ``describe_change(was, now)`` or None ("render(was) → render(now)")
+_DRIFT_CHANGES = tuple(getattr(read, "describe_change", None) for read in _DRIFT_READERS)
 # per reader: ``relevant(function, was, now)`` or None (every change matters)
 _DRIFT_RELEVANCE = tuple(getattr(read, "relevant", None) for read in _DRIFT_READERS)
 
@@ -322,10 +342,9 @@ capture = _compile_capture(_DRIFT_READERS)
 # is active): fallback avoids it by not checkpointing at all.
 _ANTICIPATED_INDICES = tuple(
     i for i, rule in enumerate(DRIFT_RULES)
-    if rule.read in ("current_swaps", "user_dispatch_modes", "user_function_modes", "transform_stack")
+    if rule.read in ("swapped_reads", "user_dispatch_modes", "user_function_modes", "transform_stack")
 )
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
-_SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "current_swaps")
 _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
@@ -348,7 +367,7 @@ def _walk_to_forward_site() -> tuple:
         frame, depth = frame.f_back, depth + 1
     if frame is None:
         return (None, 0)
-    if len(_known_sites) > 4096:  # bounded: a program has few checkpoint call sites
+    if len(_known_sites) >= _CACHE_LIMIT:  # bounded: a program has few checkpoint call sites
         _known_sites.clear()
     _known_sites[(depth, id(frame.f_code), frame.f_lasti)] = frame.f_code
     _site_depth = depth
@@ -419,7 +438,11 @@ def prepare_call(
     # proxy modes on this thread's dispatch stack, so another thread's
     # compilation does not switch the guard off here.
     config = _scoped_config() or _config._installed
-    if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
+    if (
+        not config.active
+        or (_torch_compiler._is_compiling_flag and _len_dispatch_stack())
+        or _fx_symbolic_trace._is_fx_tracing_flag  # torch.fx.symbolic_trace: tracing, not training
+    ):
         return STEP_ASIDE
     grad = _is_grad_enabled()
     # Inlined call_is_quiet for the usual non-reentrant call with grad on.
@@ -462,7 +485,20 @@ def prepare_call(
 
 def _is_user_context_fn(context_fn: Any) -> bool:
     """A ``context_fn`` the user chose: not the composable API's own."""
-    return getattr(context_fn, "__module__", "") != "torch.distributed._composable.checkpoint_activation"
+    try:
+        module = getattr(context_fn, "__module__", "")
+    except Exception:  # noqa: BLE001 - a user's __getattr__ may raise anything
+        return True
+    return module != "torch.distributed._composable.checkpoint_activation"
+
+
+def clear_caches() -> None:
+    """Forget the call sites and code objects seen (``uninstall()``: the guard holds nothing)."""
+    global _site_depth
+    _library_codes.clear()
+    _known_sites.clear()
+    _site_depth = 1
+    _state.clear_caches()
 
 
 def forward_context_of(context_fn: Any) -> Any:
@@ -539,11 +575,27 @@ def report_drift(
     variant = describe_variant(reentrant, None)
     for index in changed:
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
+        describe_change = _DRIFT_CHANGES[index]
         _report_at_recompute(
             rule, config.policy_for(rule.id), forward_site_text,
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
-            variant=variant, change=f"{render(was)} → {render(now)}",
+            variant=variant, source=config.source,
+            change=describe_change(was, now) if describe_change else f"{render(was)} → {render(now)}",
+            remedy=_case_remedy(rule, was, now),
         )
+
+
+def _case_remedy(rule: Rule, was: Any, now: Any) -> str:
+    """A remedy that fits this very case, where the rule's general one would not."""
+    if rule.read == "swapped_reads" and isinstance(now, _state.SwappedReads):
+        # .backward() already runs under a functional_call, just not the forward's
+        # (second-order MAML: the outer backward recomputes an inner step).
+        return (
+            "the recompute runs under another functional_call than the forward (as when an outer "
+            "backward recomputes an inner step): run this block without checkpointing (policy "
+            "fallback does), or checkpoint outside the stateless call"
+        )
+    return ""
 
 
 def report_unpreserved_rng(reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple) -> None:
@@ -555,12 +607,12 @@ def report_unpreserved_rng(reentrant: bool, config: _config.Config, forward_stat
         repaired="recomputing with the forward's RNG state, which it preserved (policy fallback)",
         site=describe_site(site_frame), forward_site=forward_site_text,
         transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
-        variant=describe_variant(reentrant, None),
+        variant=describe_variant(reentrant, None), source=config.source,
         change="the forward drew random numbers; preserve_rng_state=False lets the recompute draw new ones",
     )
 
 
-def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repaired: str = "", **details: str) -> None:
+def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repaired: str = "", **details: Any) -> None:
     """Warn, or raise before the recompute runs; ``repaired``: what fallback already did about it."""
     if policy == "warn" or (policy == "fallback" and repaired):
         action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
@@ -587,7 +639,6 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
             forward_state[index]
             and _DRIFT_HOLDS[index]
             and config.policy_for(DRIFT_RULES[index].id) == "fallback"
-            and (index != _SWAPS_INDEX or _state.swap_touches(function, forward_state[index]))
         ):
             rule = DRIFT_RULES[index]
             break
@@ -600,6 +651,7 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
         transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
         variant=describe_variant(reentrant, None),
         policy="fallback",
+        source=config.source,
         anticipated=True,
         action=(
             "ran it without checkpointing (policy fallback): nothing has gone wrong, but the "

@@ -47,8 +47,9 @@ def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]])
             with original_cm(module, *args, **kwargs) as value:
                 yield value
             return
+        token = _state.begin_swap(module, args, kwargs)
         with original_cm(module, *args, **kwargs) as value:
-            token = _state.push_swap(module, args, kwargs)
+            _state.push_swap(token)
             try:
                 yield value
             finally:
@@ -68,9 +69,12 @@ def make_tracked_swap_methods(swap_class: type) -> tuple:
     original_enter, original_exit = swap_class.__enter__, swap_class.__exit__
 
     def __enter__(self):
+        if torch.compiler.is_dynamo_compiling():
+            return original_enter(self)
+        token = _state.begin_swap(self.accessor.module, (self.untied_parameters_and_buffers,), {})
         value = original_enter(self)
-        if not torch.compiler.is_dynamo_compiling():
-            self._ckpt_guard_swap = _state.push_swap(self.accessor.module, (self.parameters_and_buffers,), {})
+        self._ckpt_guard_swap = token
+        _state.push_swap(token)
         return value
 
     def __exit__(self, exception_type, exception_value, traceback):

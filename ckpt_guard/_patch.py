@@ -407,7 +407,10 @@ def uninstall() -> None:
     with _lock:
         _installed = False
         _undo()
-        _config.set_installed(_config.Config("off"))
+        _config.set_installed(_config.Config("off", source="default"))
+        decide = sys.modules.get(f"{__package__}._decide")
+        if decide is not None:  # what the guard learnt while installed: nothing may outlive it
+            decide.clear_caches()
 
 
 def is_installed() -> bool:

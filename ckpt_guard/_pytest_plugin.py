@@ -253,7 +253,7 @@ def _marker_config(item: pytest.Item, mark: Any) -> Tuple[str, Dict[str, str]]:
     if len(args) > 1 or unknown or (args and "policy" in kwargs):
         pytest.fail(
             f"ckpt_guard: {source} takes (policy='strict', *, rules=None); "
-            f"got args={tuple(args)!r} kwargs={mark.kwargs!r}",
+            f"got args={_config.shown(tuple(args))} kwargs={_config.shown(mark.kwargs)}",
             pytrace=False,
         )
     policy_value = args[0] if args else kwargs.get("policy", _config.DEFAULT_POLICY)

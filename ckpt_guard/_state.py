@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from . import _reads
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
 _len_function_stack = torch._C._len_torch_function_stack
@@ -117,12 +121,19 @@ INFRASTRUCTURE_MODES = frozenset(
 )
 
 
-@functools.lru_cache(maxsize=256)
+# mode class -> is it torch's infrastructure?  Weak: a user's mode class (and
+# what its methods close over) must not outlive its last use.
+_infrastructure_classes: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
 def _is_infrastructure_class(cls: type) -> bool:
-    return any(
-        f"{klass.__module__}.{klass.__qualname__}" in INFRASTRUCTURE_MODES
-        for klass in cls.__mro__
-    )
+    known = _infrastructure_classes.get(cls)
+    if known is None:
+        known = _infrastructure_classes[cls] = any(
+            f"{klass.__module__}.{klass.__qualname__}" in INFRASTRUCTURE_MODES
+            for klass in cls.__mro__
+        )
+    return known
 
 
 def is_user_mode(mode: object) -> bool:
@@ -153,93 +164,185 @@ def describe_modes(modes: tuple[type, ...]) -> str:
 
 # --------------------------------------------------------------------------
 # parameter swaps (torch.func.functional_call)
+#
+# What matters for a recompute is not whether a swap is active but which
+# tensors the block reads: the recompute reads whatever its modules hold when
+# it runs.  So the forward records, only while a swap is active on its thread
+# and has replaced a tensor the block reads, the identity of every tensor the
+# block's modules hold; the recompute compares them with what the modules hold
+# then.  functional_call(net, dict(net.named_parameters())) swaps in the very
+# same tensors (nothing at risk), a parameter-free block reads no module
+# tensor, and another thread's swap is that thread's business.
+
+_swap_numbers = itertools.count(1)
 
 
 class SwapToken:
-    """One active ``_reparametrize_module`` swap; compared by identity."""
+    """One active functional_call swap, made on one thread."""
 
-    __slots__ = ("module_name", "module", "keys")
+    __slots__ = ("number", "module_name", "module", "changed")
 
-    def __init__(self, module: object, parameters_and_buffers: object) -> None:
+    def __init__(self, module: object, mapping: object) -> None:
+        self.number = next(_swap_numbers)
         self.module_name = type(module).__name__
         self.module = weakref.ref(module)
-        self.keys = frozenset(parameters_and_buffers) if isinstance(parameters_and_buffers, dict) else None
+        #: ids of the tensors swapped in in place of a different tensor
+        self.changed = frozenset(
+            id(new) for key, new in (mapping.items() if isinstance(mapping, dict) else ())
+            if isinstance(new, Tensor) and _lookup(module, key) is not new
+        )
 
     def __repr__(self) -> str:
-        return f"functional_call({self.module_name})"
+        return f"functional_call #{self.number} ({self.module_name})"
 
 
-def _submodule_path(root: Module, target: Module) -> Optional[str]:
-    for name, module in root.named_modules(remove_duplicate=False):
-        if module is target:
-            return name
-    return None
+def _lookup(module: object, path: str) -> object:
+    """``module.a.b.weight`` for ``"a.b.weight"``, or None."""
+    try:
+        return functools.reduce(getattr, path.split("."), module)
+    except Exception:  # noqa: BLE001 - a missing key (allow_missing) or an odd module
+        return None
 
 
-def swap_touches(function: object, tokens: tuple[SwapToken, ...]) -> bool:
-    """Whether any of these swaps replaces a tensor ``function`` may use.
-
-    True when unsure (the function's modules cannot be seen).  Slow; only
-    called once a swap difference has been seen.
-    """
-    modules = owning_modules(function)
-    for token in tokens:
-        root = token.module()
-        if root is None or token.keys is None or not modules:
-            return True
-        for module in modules:
-            path = _submodule_path(root, module)
-            if path is None:
-                if _submodule_path(module, root) is not None and token.keys:
-                    return True  # the swapped module lives inside the function's module
-                continue
-            if path == "" and token.keys:
-                return True
-            if any(key.startswith(path + ".") for key in token.keys):
-                return True
-    return False
-
-
-# Swaps are process-wide state (they rewrite module attributes in place), so a
-# plain global list, changed only under the lock.
-_active_swaps: list[SwapToken] = []
+_swaps_here = threading.local()  # .active: this thread's swaps, innermost last
+#: how many swaps are active, on all threads: the capture's builtin gate
+_swap_count = [0]
 _swap_lock = threading.Lock()
 
 
-def current_swaps() -> tuple[SwapToken, ...]:
-    return tuple(_active_swaps)
+def begin_swap(module: object, args: tuple, kwargs: dict) -> SwapToken:
+    """Before ``_reparametrize_module(module, ...)`` swaps: what will it change? (eager only: ``_hooks``)"""
+    return SwapToken(module, args[0] if args else kwargs.get("parameters_and_buffers"))
 
 
-# the capture's builtin "anything there?" query (see _decide._compile_capture)
-current_swaps.active = _active_swaps.__len__  # type: ignore[attr-defined]
-
-
-def _swaps_relevant(function: object, was: tuple, now: tuple) -> bool:
-    return swap_touches(function, tuple(set(was) ^ set(now)))
-
-
-current_swaps.relevant = _swaps_relevant  # type: ignore[attr-defined]
-
-
-def _push_swap(token: SwapToken) -> None:
+def push_swap(token: SwapToken) -> None:
+    """The swap is in place (until :func:`pop_swap`, on this thread)."""
+    active = getattr(_swaps_here, "active", None)
+    if active is None:
+        active = _swaps_here.active = []
+    active.append(token)
     with _swap_lock:
-        _active_swaps.append(token)
+        _swap_count[0] += 1
 
 
 def pop_swap(token: SwapToken) -> None:
-    with _swap_lock:
-        _active_swaps[:] = [t for t in _active_swaps if t is not token]
+    active = getattr(_swaps_here, "active", [])
+    if token in active:
+        active.remove(token)
+        with _swap_lock:
+            _swap_count[0] -= 1
 
 
-def push_swap(module: object, args: tuple, kwargs: dict) -> SwapToken:
-    """A ``_reparametrize_module(module, ...)`` swap began (eager only: see ``_hooks``)."""
-    token = SwapToken(module, args[0] if args else kwargs.get("parameters_and_buffers"))
-    _push_swap(token)
-    return token
+class SwappedReads:
+    """The tensors a block's modules held at one moment, with where each came from.
+
+    Captured only when some of them were swapped in by a ``functional_call``
+    on this thread (in place of another tensor).  Compared by identity: the
+    recompute check (:func:`_swapped_reads_relevant`) compares the tensors.
+    """
+
+    __slots__ = ("reads", "swaps", "unseen")
+
+    def __init__(self, reads: tuple, swaps: tuple, unseen: bool) -> None:
+        # (path, owner, store name, name, weakref to the tensor, origin)
+        self.reads, self.swaps = reads, swaps
+        #: the block may read module tensors the guard cannot see (see _reads)
+        self.unseen = unseen
+
+    def differences(self) -> list:
+        """``(path, origin then, origin now)`` for every tensor the modules now hold instead.
+
+        What the guard cannot see counts as changed once a swap that changed
+        tensors is no longer active on this thread (conservative).
+        """
+        now_swaps = tuple(getattr(_swaps_here, "active", ()))
+        found = []
+        for path, owner, store, name, ref, origin in self.reads:
+            current = getattr(owner, store).get(name)
+            if current is not ref():
+                found.append((self._path_in_swapped_module(owner, name, path), origin, _origin(current, now_swaps)))
+        if self.unseen:
+            ended = [token for token in self.swaps if token.changed and token not in now_swaps]
+            if ended:
+                found.append((
+                    "module tensors the guard cannot see (an object it does not look into)",
+                    ", ".join(map(repr, ended)), "that swap ended",
+                ))
+        return found
+
+    def _path_in_swapped_module(self, owner: object, name: str, fallback: str) -> str:
+        """``blocks.0.norm1.weight``: the name functional_call's dict used, where it can be found."""
+        for token in self.swaps:
+            root = token.module()
+            if root is not None:
+                for prefix, module in root.named_modules():
+                    if module is owner:
+                        return f"{prefix}.{name}" if prefix else name
+        return fallback
 
 
-def describe_swaps(swaps: tuple[SwapToken, ...]) -> str:
-    return "functional_call active" if swaps else "no functional_call"
+def _origin(tensor: object, swaps: tuple) -> str:
+    for token in reversed(swaps):
+        if id(tensor) in token.changed:
+            return repr(token)
+    return "the module's own tensor"
+
+
+def swapped_reads(function: object) -> object:
+    """:class:`SwappedReads` for ``function``, or ``()`` when no tensor it reads is swapped in here."""
+    swaps = tuple(getattr(_swaps_here, "active", ()))
+    if not swaps:
+        return ()
+    changed = frozenset().union(*(token.changed for token in swaps))
+    if not changed:  # every swap put the very same tensors in place
+        return ()
+    found = _reads.reads_of(function)
+    reads = []
+    at_risk = found.unseen
+    for path, owner, store, name, tensor in found.named_module_tensors():
+        origin = _origin(tensor, swaps) if id(tensor) in changed else "the module's own tensor"
+        at_risk = at_risk or id(tensor) in changed
+        reads.append((path, owner, store, name, weakref.ref(tensor), origin))
+    return SwappedReads(tuple(reads), swaps, found.unseen) if at_risk else ()
+
+
+swapped_reads.takes_function = True  # type: ignore[attr-defined]
+swapped_reads.active = functools.partial(_swap_count.__getitem__, 0)  # type: ignore[attr-defined]
+
+
+def _swapped_reads_relevant(function: object, was: object, now: object) -> bool:
+    """Whether the recompute would read other tensors than the forward did."""
+    if isinstance(was, SwappedReads):
+        return bool(was.differences())
+    return True  # the forward read none of the tensors a swap now puts in place
+
+
+swapped_reads.relevant = _swapped_reads_relevant  # type: ignore[attr-defined]
+
+
+def describe_swap_change(was: object, now: object) -> str:
+    """The change line for CKG101: which tensors, from where, to where."""
+    if isinstance(was, SwappedReads):
+        differences = was.differences()
+        groups: dict = {}
+        for path, then, later in differences:
+            groups.setdefault((then, later), []).append(path)
+        parts = []
+        for (then, later), paths in groups.items():
+            shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+            parts.append(f"{shown}: {then} at the forward → {later} now")
+        return "; ".join(parts) or "the tensors the block reads"
+    swaps = ", ".join(map(repr, now.swaps)) if isinstance(now, SwappedReads) else "a functional_call"
+    return f"the module's own tensors at the forward → tensors swapped in by {swaps} now"
+
+
+swapped_reads.describe_change = describe_swap_change  # type: ignore[attr-defined]
+
+
+def describe_swaps(value: object) -> str:
+    if isinstance(value, SwappedReads):
+        return "reads tensors swapped in by " + ", ".join(map(repr, value.swaps))
+    return "reads the module's own tensors"
 
 
 # --------------------------------------------------------------------------
@@ -298,52 +401,6 @@ def record_step(optimizer: Any) -> None:
         _step_log.append((_optimizer_steps[0], updated))
 
 
-_CALL_METHODS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
-
-
-def parameters_used_by(function: object) -> tuple[list[Tensor], list[list[Tensor]]]:
-    """``(surely, maybe)``: parameters ``function`` surely uses, and per module it may use in part.
-
-    Surely: an ``nn.Module`` (or its ``forward``/``__call__``) is run whole, and
-    a tensor captured by a closure or bound by a ``partial`` is used as is.
-    Maybe: a module a closure captures or a ``partial`` binds, or whose other
-    method is checkpointed (``checkpoint(self.generate, z)``), may be used only
-    in part: a GAN's parent module holds both players.
-    """
-    surely: list[Tensor] = []
-    maybe: list[list[Tensor]] = []
-    todo: list[tuple[object, bool]] = [(function, True)]
-    seen: set[int] = set()
-    while todo:
-        obj, whole = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Module):
-            if whole:
-                surely.extend(obj.parameters())
-            else:
-                maybe.append(list(obj.parameters()))
-        elif isinstance(obj, Tensor):
-            surely.append(obj)
-        elif isinstance(obj, functools.partial):
-            # the function runs as its own; a bound argument (a parent module,
-            # as in partial(GAN.generate, gan)) may be used only in part
-            todo.append((obj.func, whole))
-            todo.extend((o, False) for o in (*obj.args, *obj.keywords.values()))
-        elif type(obj) is _MethodType and isinstance(obj.__self__, Module):
-            todo.append((obj.__self__, whole and obj.__func__.__name__ in _CALL_METHODS))
-        elif obj is function and getattr(obj, "__closure__", None):
-            for cell in obj.__closure__:  # type: ignore[union-attr]
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # empty cell
-                    continue
-                values = value if isinstance(value, (list, tuple)) else (value,)
-                todo.extend((v, False) for v in values if isinstance(v, (Module, Tensor)))
-    return surely, maybe
-
-
 def _steps_relevant(function: object, was: int, now: int) -> bool:
     """Whether a step taken since the forward updated a parameter ``function`` uses.
 
@@ -355,11 +412,12 @@ def _steps_relevant(function: object, was: int, now: int) -> bool:
         updated = frozenset().union(*(ids for number, ids in _step_log if was < number <= now))
     if not updated:
         return False
-    surely, maybe = parameters_used_by(function)
+    reads = _reads.reads_of(function)
+    surely = [*(p for m in reads.whole for p in m.parameters()), *reads.tensors]
     if any(id(p) in updated for p in surely):
         return True
-    for params in maybe:
-        trainable = [p for p in params if p.requires_grad]
+    for module in reads.partial:  # used in part, maybe: count it only when all of it moved
+        trainable = [p for p in module.parameters() if p.requires_grad]
         if trainable and all(id(p) in updated for p in trainable):
             return True
     return False
@@ -393,6 +451,41 @@ def module_training(function: object) -> Optional[bool]:
 
 module_training.takes_function = True  # type: ignore[attr-defined]
 
+# module class -> does its code depend on train/eval mode?  Weak, as above.
+_mode_dependent_classes: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def _class_depends_on_mode(cls: type) -> bool:
+    """Whether a module class behaves differently in train and eval mode.
+
+    Read from its code: a ``forward`` that mentions ``training`` (dropout,
+    batch norm, RNNs with dropout, attention with dropout, and the user's own
+    layers alike), or a ``train()`` of its own.  A class whose source cannot
+    be read counts as dependent.
+    """
+    known = _mode_dependent_classes.get(cls)
+    if known is None:
+        if getattr(cls, "train", Module.train) is not Module.train:
+            known = True
+        else:
+            try:
+                known = "training" in inspect.getsource(cls.forward)
+            except (OSError, TypeError, AttributeError):
+                known = True
+        _mode_dependent_classes[cls] = known
+    return known
+
+
+def _training_relevant(function: object, was: object, now: object) -> bool:
+    """A train/eval switch matters only to a module some part of which behaves differently."""
+    module = function if isinstance(function, Module) else getattr(function, "__self__", None)
+    if not isinstance(module, Module):
+        return True
+    return any(_class_depends_on_mode(type(m)) for m in module.modules())
+
+
+module_training.relevant = _training_relevant  # type: ignore[attr-defined]
+
 
 def describe_training(training: Optional[bool]) -> str:
     return {True: "train mode", False: "eval mode", None: "not a module"}[training]
@@ -410,60 +503,6 @@ def requires_grad_anywhere(t: Tensor) -> bool:
         if not is_functorch_wrapped_tensor(t):
             return False
         t = get_unwrapped(t)
-
-
-def owning_modules(function: object) -> list[Module]:
-    """The modules whose parameters ``function`` uses, as far as we can see.
-
-    Covers an ``nn.Module``, a bound method of one, a ``functools.partial``
-    holding either, and modules captured one closure level deep, alone or in
-    a list or tuple (``checkpoint_sequential`` passes a closure over a list).
-    """
-    found: list[Module] = []
-    todo = [function]
-    seen: set[int] = set()
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Module):
-            found.append(obj)
-        elif isinstance(obj, functools.partial):
-            todo.append(obj.func)
-            todo.extend(obj.args)
-            todo.extend(obj.keywords.values())
-        elif hasattr(obj, "__self__") and isinstance(obj.__self__, Module):
-            found.append(obj.__self__)
-        elif getattr(obj, "__closure__", None) and obj is function:
-            for cell in obj.__closure__:  # type: ignore[union-attr]
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # empty cell
-                    continue
-                if isinstance(value, (list, tuple)):
-                    todo.extend(v for v in value if isinstance(v, Module))
-                else:
-                    todo.append(value)
-    return found
-
-
-def _trained_params_of(function: object) -> Iterator[Tensor]:
-    """Parameters ``function`` may train: of its modules in training mode, and captured tensors.
-
-    A module in eval mode is being used for inference, so its parameters do
-    not make a call-time rule (CKG003, CKG006) fire.
-    """
-    for module in owning_modules(function):
-        if module.training:
-            yield from module.parameters()
-    for cell in getattr(function, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:
-            continue
-        if isinstance(value, Tensor):
-            yield value
 
 
 def _is_dual(t: Tensor) -> bool:
@@ -492,7 +531,7 @@ class CallState:
 
 def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState:
     tensors = [a for a in args if isinstance(a, Tensor)]
-    params = list(_trained_params_of(function))
+    params = list(_reads.trainable_tensors(function))
     transforms = transform_stack()
     forward_ad_active = forward_ad._current_level >= 0
     # unpack_dual has no batching rule: never ask a functorch-wrapped tensor
@@ -528,3 +567,9 @@ def call_is_quiet(reentrant: bool, inputs: tuple, grad_enabled: bool) -> bool:
                 return True
         return False  # CKG006 needs a look at the parameters
     return True
+
+
+def clear_caches() -> None:
+    """Forget what was learnt about classes (``uninstall()``: the guard holds nothing)."""
+    _infrastructure_classes.clear()
+    _mode_dependent_classes.clear()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
@@ -49,7 +50,9 @@ class Comp:
     transforms: Tuple[str, ...] = ()
     use_reentrant: Optional[bool] = False  # None: not passed
     entry: str = "direct"
-    fn_kind: str = "module"  # "module" | "lambda" (captures the parent Net) | "dict" (module hidden in a dict)
+    # "module" | "lambda" (captures the parent Net) | "dict" (the block in a dict the closure holds:
+    # seen) | "object" (the block in an object's attribute: out of the guard's sight)
+    fn_kind: str = "module"
     fcall: str = "none"  # functional_call: "none" | "all" (swap every parameter) | "head" (swap the head only)
     dual: bool = False  # forward-mode AD: the input is a dual tensor
     mode: str = "none"  # "none" | "dispatch" | "function": a user mode doubling sin, around the forward
@@ -142,7 +145,10 @@ class Net(torch.nn.Module):
                 fn = lambda t: self.block(t)  # noqa: E731 - captures the whole Net
             elif comp.fn_kind == "dict":
                 holder = {"block": self.block}
-                fn = lambda t: holder["block"](t)  # noqa: E731 - parameters out of the guard's sight
+                fn = lambda t: holder["block"](t)  # noqa: E731 - a dict the closure holds: seen
+            elif comp.fn_kind == "object":
+                hidden = types.SimpleNamespace(block=self.block)
+                fn = lambda t: hidden.block(t)  # noqa: E731 - parameters out of the guard's sight
             else:
                 fn = self.block
             if comp.entry == "direct":
@@ -334,7 +340,7 @@ def _pick(true_weight: int, false_weight: int):
 def compositions(draw) -> Comp:
     transforms = tuple(draw(st.lists(st.sampled_from(TRANSFORMS), max_size=3)))
     entry = draw(st.sampled_from(ENTRIES))
-    fn_kind = draw(st.sampled_from(("module", "module", "lambda", "dict"))) if entry in ("direct", "bound", "partial") else "module"
+    fn_kind = draw(st.sampled_from(("module", "module", "lambda", "dict", "object"))) if entry in ("direct", "bound", "partial") else "module"
     mode = draw(st.sampled_from(("none", "none", "none", "dispatch", "function")))
     do_backward = draw(_pick(3, 1))
     return Comp(

@@ -389,3 +389,90 @@ def test_run_module(tmp_path):
     assert exited.returncode == 4
     boom = cli("run", "-m", "mypkg.tool", "boom", cwd=tmp_path, env=env)
     assert boom.returncode == 1 and str(package / "tool.py") in boom.stderr
+
+
+SPAWNING = textwrap.dedent(
+    """
+    import multiprocessing as mp
+    import sys
+
+    import torch
+    import torch.multiprocessing
+
+
+    def refused_here():
+        from torch.utils.checkpoint import checkpoint
+
+        import ckpt_guard
+
+        try:
+            torch.func.grad(lambda t: checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
+        except ckpt_guard.CheckpointCompositionError as exc:
+            return f"guarded {exc.rule.id}"
+        except RuntimeError:
+            return "unguarded"
+        return "no error"
+
+
+    def worker(queue):
+        queue.put(refused_here())
+
+
+    def ddp_style_worker(rank, path):  # what torch.multiprocessing.spawn runs, as DDP launchers do
+        with open(path, "w") as out:
+            out.write(refused_here())
+
+
+    if __name__ == "__main__":
+        for method in ("spawn", "forkserver"):
+            context = mp.get_context(method)
+            queue = context.Queue()
+            process = context.Process(target=worker, args=(queue,))
+            process.start()
+            print(method, queue.get(timeout=120))
+            process.join()
+        torch.multiprocessing.spawn(ddp_style_worker, args=(sys.argv[1],), nprocs=1)
+        print("torch.multiprocessing.spawn", open(sys.argv[1]).read())
+    """
+)
+
+
+def test_run_guards_spawned_and_forkserver_children(tmp_path):
+    """Children started with a fresh interpreter (spawn, forkserver, torch.multiprocessing.spawn)
+    are guarded with the launcher's configuration, like the program itself."""
+    path = tmp_path / "spawning.py"
+    path.write_text(SPAWNING)
+    result = cli("run", "--policy", "strict", str(path), str(tmp_path / "ddp.txt"), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "spawn guarded CKG001" in result.stdout
+    assert "forkserver guarded CKG001" in result.stdout
+    assert "torch.multiprocessing.spawn guarded CKG001" in result.stdout
+    # the launcher's rules reach them too
+    off = cli("run", "--policy", "strict", "--rules", "CKG001=off", str(path), str(tmp_path / "ddp.txt"),
+              cwd=tmp_path, timeout=300)
+    assert "spawn unguarded" in off.stdout and "torch.multiprocessing.spawn unguarded" in off.stdout, off.stderr[-3000:]
+
+
+def test_run_without_the_launcher_children_are_not_touched(tmp_path):
+    """The autoinstall is the launcher's: a plain python program's children stay unguarded."""
+    path = tmp_path / "spawning.py"
+    path.write_text(SPAWNING)
+    result = subprocess.run(
+        [sys.executable, str(path), str(tmp_path / "ddp.txt")], cwd=str(tmp_path), env=_env(),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "spawn unguarded" in result.stdout
+
+
+@pytest.mark.parametrize("error", ["KeyboardInterrupt", "GeneratorExit", "ValueError"])
+def test_run_traceback_of_any_uncaught_exception_starts_at_the_program(tmp_path, error):
+    path = tmp_path / "interrupted.py"
+    path.write_text(f"def main():\n    raise {error}('stopped')\n\nmain()\n")
+    result = cli("run", str(path), cwd=tmp_path)
+    assert result.stderr.startswith("Traceback (most recent call last):"), result.stderr
+    assert f'File "{path}", line' in result.stderr
+    assert "runpy" not in result.stderr and "_cli.py" not in result.stderr
+    assert result.stderr.strip().endswith(f"{error}: stopped")
+    plain = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == plain.returncode  # KeyboardInterrupt: killed by SIGINT, as python is

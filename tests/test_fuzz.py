@@ -129,10 +129,10 @@ def known_bug(comp: Comp, found: List[str], outcomes: dict) -> Optional[str]:
     if rule in ("CKG003", "CKG006") and not comp.do_backward and _all(found, "false positive"):
         return "FP-FORWARD-ONLY"
     # FN-PARAMS-UNSEEN (documented limit): CKG006 finds parameters through modules,
-    # bound methods, partials and closures (one level, lists and tuples included);
-    # a module hidden in a dict is invisible, so a reentrant call whose input does
-    # not require grad trains nothing, silently, as in raw torch.
-    if (rule is None and comp.fn_kind == "dict" and comp.use_reentrant is not False
+    # bound methods, partials, closures and globals (one level, lists, tuples and
+    # dicts included); a module in an object's attribute is invisible, so a reentrant
+    # call whose input does not require grad trains nothing, silently, as in raw torch.
+    if (rule is None and comp.fn_kind == "object" and comp.use_reentrant is not False
             and not comp.x_requires_grad and not comp.transforms
             and _all(found, "false negative", "warn warned ()", "fallback differs")):
         return "FN-PARAMS-UNSEEN"
@@ -151,9 +151,10 @@ def known_bug(comp: Comp, found: List[str], outcomes: dict) -> Optional[str]:
     if rule in ("CKG101", "CKG102", "CKG103", "CKG105") and comp.entry == "sequential":
         return "FP-SEQ-HARMLESS-DRIFT"
     # FP-SWAP-UNSEEN (documented limit): functional_call swaps only the head, but the
-    # checkpointed function hides which module it uses (a closure over the whole
-    # Net, a dict), so swap_touches answers "unsure" = True.
-    if rule == "CKG101" and comp.fcall == "head" and comp.fn_kind in ("lambda", "dict"):
+    # checkpointed function hides which tensors it reads (a closure over the whole
+    # Net reads all of it; an object the guard does not look into), so the swapped
+    # head counts as read.
+    if rule == "CKG101" and comp.fcall == "head" and comp.fn_kind in ("lambda", "object"):
         return "FP-SWAP-UNSEEN"
     # FP-FUNCTIONALIZE-CKG104: a non-reentrant checkpoint under functionalize alone,
     # .backward() outside it: the recompute outside functionalize is harmless when
@@ -235,7 +236,7 @@ def check(comp: Comp) -> None:
 @example(comp=Comp(fcall="all", use_reentrant=True, entry="partial"))  # CKG101
 @example(comp=Comp(mode="dispatch", use_reentrant=False))  # CKG102
 @example(comp=Comp(mode="function", backward_in_mode=True, use_reentrant=True))  # CKG103
-@example(comp=Comp(transforms=("vmap",), fn_kind="dict", x_requires_grad=False, use_reentrant=False))  # CKG104
+@example(comp=Comp(transforms=("vmap",), fn_kind="object", x_requires_grad=False, use_reentrant=False))  # CKG104
 @example(comp=Comp(dtype_switch=True, use_reentrant=True))  # CKG105 (reentrant: silently wrong)
 @example(comp=Comp(dtype_switch=True, use_reentrant=False, entry="wrapper"))  # CKG105 (non-reentrant: raises)
 # Quiet compositions torch gets right:
@@ -260,8 +261,11 @@ def check(comp: Comp) -> None:
     reason="FP-PARENT-CAPTURED for CKG003 (found by a 1024-example campaign): vmap over a closure "
     "that captures the whole Net; only its head is trainable, and the head is not checkpointed",
     raises=AssertionError)
-@example(comp=Comp(use_reentrant=True, fn_kind="dict", x_requires_grad=False, expect_bug="FN-PARAMS-UNSEEN")).xfail(
-    reason="FN-PARAMS-UNSEEN (documented limit): CKG006 cannot see a module hidden in a dict",
+# CKG006 and CKG101 see a module in a dict the closure holds (they did not before).
+@example(comp=Comp(use_reentrant=True, fn_kind="dict", x_requires_grad=False))
+@example(comp=Comp(fcall="head", fn_kind="dict", use_reentrant=False))
+@example(comp=Comp(use_reentrant=True, fn_kind="object", x_requires_grad=False, expect_bug="FN-PARAMS-UNSEEN")).xfail(
+    reason="FN-PARAMS-UNSEEN (documented limit): CKG006 cannot see a module in an object's attribute",
     raises=AssertionError)
 @example(comp=Comp(transforms=("functionalize",), use_reentrant=False, x_requires_grad=False, expect_bug="FP-FUNCTIONALIZE-CKG104")).xfail(
     condition=_holds("CKG104"),  # before 2.12 torch refuses functionalize here (CKG007)

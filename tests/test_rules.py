@@ -21,6 +21,7 @@ covers it there (``Composition.otherwise``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -101,9 +102,11 @@ def test_strict_raises_this_rule(rule, variant, probe):
     probe_file = os.path.basename(probe.__code__.co_filename)
     assert "checkpoint called at: " in message and f"{probe_file}:" in message  # the probe's line
     assert "without the guard torch" in message
-    assert f"CKPT_GUARD_RULES={rule.id}=" in message
+    # hints are written for the channel that set the policy: here a ckpt_guard.policy() scope
+    assert f"ckpt_guard.policy(..., rules={{'{rule.id}': " in message
+    assert "CKPT_GUARD_RULES" not in message
     # fallback is suggested only where it helps
-    assert ("CKPT_GUARD_POLICY=fallback" in message) == rule.fallback_helps
+    assert ("ckpt_guard.policy('fallback')" in message) == rule.fallback_helps
     assert [(e.rule_id, e.policy, e.action, e.stage) for e in events] == [
         (rule.id, "strict", "raised", rule.stage)
     ]
@@ -355,9 +358,46 @@ def test_fix_hints_never_suggest_the_policy_in_force():
             except RuntimeError:
                 pass  # warn: torch's own error follows
         message = str(next(w.message for w in record if issubclass(w.category, CheckpointCompositionWarning)))
-        assert f"CKG001={policy}" not in message
-        assert ("CKPT_GUARD_POLICY=fallback" in message) == (policy != "fallback")
+        assert f"'CKG001': '{policy}'" not in message
+        assert ("ckpt_guard.policy('fallback')" in message) == (policy != "fallback")
+        # a call-time rule has no drift to wait for: no "raise only if the drift happens"
+        assert "drift really happens" not in message
 
+
+@pytest.mark.parametrize("channel", ["env", "install", "scope"])
+def test_fix_hints_name_the_channel_that_set_the_policy(monkeypatch, channel):
+    """A hint that names an environment variable inside a policy() scope changes nothing there."""
+    loss = _per_sample_loss([], use_reentrant=False)
+    ckpt_guard.uninstall()
+    scope = contextlib.nullcontext()
+    if channel == "env":
+        monkeypatch.setenv("CKPT_GUARD_POLICY", "warn")
+        ckpt_guard.install()
+    elif channel == "install":
+        ckpt_guard.install("warn")
+    else:
+        ckpt_guard.install("strict")
+        scope = ckpt_guard.policy("warn")
+    try:
+        with scope, pytest.warns(CheckpointCompositionWarning) as record:
+            with pytest.raises(RuntimeError, match="saved tensor hooks"):
+                torch.func.grad(loss)(torch.randn(3))
+    finally:
+        ckpt_guard.uninstall()
+    message = str(next(w.message for w in record if issubclass(w.category, CheckpointCompositionWarning)))
+    expected = {
+        "env": ("CKPT_GUARD_RULES=CKG001=fallback", "CKPT_GUARD_POLICY=fallback", "CKPT_GUARD_RULES=CKG001=off"),
+        "install": ("ckpt_guard.install(..., rules={'CKG001': 'fallback'})", "ckpt_guard.install('fallback')",
+                    "ckpt_guard.install(..., rules={'CKG001': 'off'})"),
+        "scope": ("ckpt_guard.policy(..., rules={'CKG001': 'fallback'})", "ckpt_guard.policy('fallback')",
+                  "ckpt_guard.policy(..., rules={'CKG001': 'off'})"),
+    }[channel]
+    for hint in expected:
+        assert hint in message, (hint, message)
+    others = {"env": "CKPT_GUARD", "install": "ckpt_guard.install", "scope": "ckpt_guard.policy"}
+    for other, prefix in others.items():
+        if other != channel:
+            assert prefix + ("_" if other == "env" else "(") not in message, (other, message)
 
 def test_fallback_acting_on_a_risk_says_so():
     """Fallback runs without checkpointing when a swap is active: the warning says it is a risk."""

@@ -1,0 +1,193 @@
+"""What a checkpointed function reads: its modules, and the tensors it holds.
+
+One walk serves every rule that asks "whose parameters does this block use?":
+CKG003 / CKG006 (trainable parameters inside), CKG101 (which module tensors a
+parameter swap may have replaced), CKG108 (which parameters an optimizer step
+may have changed).  It finds, as far as Python lets us see without running
+the function:
+
+* an ``nn.Module`` (run whole), or its ``forward`` / ``__call__`` bound method;
+* a bound method of a module other than those (``checkpoint(gan.generate, z)``):
+  that module may be used only in part;
+* ``functools.partial``: its function, as above, and its bound arguments and
+  keywords (a parent module bound there may be used only in part; a tensor
+  bound there is read as is) — transformers checkpoints
+  ``partial(layer.__call__, **kwargs)`` and, in 5.x, ``partial(forward, self, ...)``;
+* what a function holds in its closure cells or default arguments, or names
+  as globals (one level deep; ``checkpoint(block_fn, x)`` where ``block_fn``
+  uses a module-level ``model``), and modules or tensors inside a list, tuple
+  or dict held there
+  (``checkpoint_sequential`` closes over a list of modules): a module found
+  there may be used only in part.
+
+Anything else a function holds that may hide a module (an instance of the
+user's own class, a callable object, a method of a non-module) is not looked
+into: the walk says so (``Reads.unseen``), and every rule says how it treats
+what it cannot see.  Numbers, strings, functions, torch's own objects and
+the like cannot hide one.
+
+The walk never raises into the user's call: a callable whose attribute lookup
+raises (a ``__getattr__`` that raises ``KeyError``, say) is simply not looked
+into (``Reads.unseen``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any, Iterator, List, Tuple
+
+import torch
+
+Module = torch.nn.Module
+Tensor = torch.Tensor
+
+#: Methods that run a module whole.
+_CALL_METHODS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
+_BROKEN = object()
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What ``function`` reads, as far as it can be seen."""
+
+    whole: Tuple[Module, ...] = ()  # modules run whole
+    partial: Tuple[Module, ...] = ()  # modules it may use only in part
+    tensors: Tuple[Tensor, ...] = ()  # tensors captured or bound, read as they are
+    unseen: bool = False  # something could not be looked into
+
+    @property
+    def modules(self) -> Tuple[Module, ...]:
+        return self.whole + self.partial
+
+    def named_module_tensors(self) -> Iterator[Tuple[str, Module, str, str, Tensor]]:
+        """``(path, owner, store, name, tensor)`` for every parameter and buffer of the modules.
+
+        ``path`` reads like ``Net.inner.weight``; ``store`` is ``"_parameters"``
+        or ``"_buffers"`` of ``owner``.  Each owner is visited once.
+        """
+        seen = set()
+        for root in self.modules:
+            for prefix, owner in root.named_modules():
+                if id(owner) in seen:
+                    continue
+                seen.add(id(owner))
+                base = ".".join(p for p in (type(root).__name__, prefix) if p)
+                for store in ("_parameters", "_buffers"):
+                    for name, tensor in getattr(owner, store).items():
+                        if isinstance(tensor, Tensor):
+                            yield f"{base}.{name}", owner, store, name, tensor
+
+
+def _attribute(obj: Any, name: str) -> Any:
+    """``getattr(obj, name, None)``, or ``_BROKEN`` if the lookup raises anything else."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - a user's __getattr__ may raise anything
+        return _BROKEN
+
+
+# Values that cannot hide a module or a tensor the function reads.
+_PLAIN = (
+    str, bytes, int, float, complex, bool, type(None), type, range, slice,
+    types.FunctionType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
+)
+# Objects of these libraries hold no module of the user's (types.SimpleNamespace can: not listed).
+_LIBRARY_ROOTS = frozenset({"builtins", "torch", "typing", "enum", "math"})
+
+
+def _opaque(value: Any) -> bool:
+    """Whether ``value`` is an object that might hide modules from the walk."""
+    if isinstance(value, _PLAIN):
+        return False
+    return (type(value).__module__ or "").split(".")[0] not in _LIBRARY_ROOTS
+
+
+def _held(value: Any) -> Tuple[List[Any], bool]:
+    """``(modules and tensors, opaque?)`` for a value a closure cell or a global holds."""
+    if isinstance(value, (Module, Tensor)):
+        return [value], False
+    if isinstance(value, (list, tuple)):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        return [], _opaque(value)
+    return [v for v in items if isinstance(v, (Module, Tensor))], False
+
+
+def _referenced(function: Any) -> Iterator[Any]:
+    """What a Python function holds: closure cells, default arguments, the globals its code names."""
+    cells = _attribute(function, "__closure__")
+    if cells is _BROKEN:
+        raise LookupError("__closure__")
+    for cell in cells or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    yield from _attribute(function, "__defaults__") or ()
+    yield from (_attribute(function, "__kwdefaults__") or {}).values()
+    code, namespace = _attribute(function, "__code__"), _attribute(function, "__globals__")
+    if isinstance(code, types.CodeType) and isinstance(namespace, dict):
+        for name in code.co_names:
+            if name in namespace:
+                yield namespace[name]
+
+
+def reads_of(function: Any) -> Reads:
+    """Walk ``function`` (see the module docstring); never raises."""
+    whole: List[Module] = []
+    partial: List[Module] = []
+    tensors: List[Tensor] = []
+    unseen = False
+    # (object, run whole?, look into its closure?)
+    todo: List[Tuple[Any, bool, bool]] = [(function, True, True)]
+    seen = set()
+    while todo:
+        obj, run_whole, closure_too = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        try:
+            if isinstance(obj, Module):
+                (whole if run_whole else partial).append(obj)
+            elif isinstance(obj, Tensor):
+                tensors.append(obj)
+            elif isinstance(obj, functools.partial):
+                # the function runs as its own; what is bound may be used only in part
+                todo.append((obj.func, run_whole, True))
+                todo.extend((o, False, False) for o in (*obj.args, *obj.keywords.values()))
+            elif type(obj) is MethodType:
+                owner = obj.__self__
+                if isinstance(owner, Module):
+                    name = _attribute(obj.__func__, "__name__")
+                    todo.append((owner, run_whole and name in _CALL_METHODS, False))
+                else:  # a method of the user's object: what the object holds is unseen
+                    unseen = unseen or _opaque(owner)
+                    todo.append((obj.__func__, False, closure_too))
+            elif closure_too and isinstance(obj, types.FunctionType):
+                for value in _referenced(obj):
+                    found, opaque = _held(value)
+                    unseen = unseen or opaque
+                    todo.extend((v, False, False) for v in found)
+            elif closure_too:  # a callable object of the user's: it may hold anything
+                unseen = unseen or _opaque(obj)
+        except Exception:  # noqa: BLE001 - never raise into the user's call
+            unseen = True
+    return Reads(tuple(whole), tuple(partial), tuple(tensors), unseen)
+
+
+def trainable_tensors(function: Any) -> Iterator[Tensor]:
+    """Tensors ``function`` may train: of its modules in training mode, and those it holds.
+
+    A module in eval mode is being used for inference, so its parameters do
+    not make a call-time rule (CKG003, CKG006) fire.
+    """
+    found = reads_of(function)
+    for module in found.modules:
+        if module.training:
+            yield from module.parameters()
+    yield from found.tensors
