@@ -21,6 +21,7 @@ import inspect
 import json
 import os
 import runpy
+import shutil
 import sys
 import textwrap
 from types import TracebackType
@@ -151,8 +152,41 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
-def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> str:
-    """The matrix as text: header lines, the table, and a verdict (one line per disagreement)."""
+def _cut(text: str, width: int, ellipsis: str) -> str:
+    return text if len(text) <= width else text[: max(width - len(ellipsis), 0)].rstrip() + ellipsis
+
+
+def _fit_columns(headers: Sequence[str], rows: List[List[str]], flexible: Sequence[int], width: int, ellipsis: str) -> None:
+    """Cut the ``flexible`` columns (in place) so that the table is at most ``width`` wide.
+
+    The other columns keep their text; the flexible ones share what is left
+    equally (one that needs less gives the rest to the others), each at least
+    as wide as its header and 12 characters (a terminal narrower than that wraps).
+    """
+    natural = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    fixed = sum(w for i, w in enumerate(natural) if i not in flexible) + 2 * (len(headers) - 1)
+    least = {i: max(12, len(headers[i])) for i in flexible}
+    room = max(width - fixed, sum(least.values()))
+    if sum(natural[i] for i in flexible) <= room:
+        return
+    shares: dict = {}
+    for n, i in enumerate(sorted(flexible, key=lambda i: natural[i])):  # the modest ones first
+        left = room - sum(shares.values()) - sum(least[j] for j in flexible if j not in shares and j != i)
+        shares[i] = max(least[i], min(natural[i], left if n == len(flexible) - 1 else
+                                      (room - sum(shares.values())) // (len(flexible) - n)))
+    for row in rows:
+        for i in flexible:
+            row[i] = _cut(str(row[i]), shares[i], ellipsis)
+
+
+def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, width: Optional[int] = None) -> str:
+    """The matrix as text: header lines, the table, and a verdict (one line per disagreement).
+
+    ``width``: the table's cells are cut (with "…") to fit it, the other lines
+    wrapped; ``None`` leaves everything whole.  ``--json`` always has the full text.
+    """
+    import textwrap
+
     from . import _matrix
 
     yes, no, dash = ("✓", "✗", "—") if unicode else ("yes", "NO", "-")
@@ -166,16 +200,30 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> s
         "",
     ]
     headers = ["rule", "variant", *(["device"] if cuda else []), "torch without guard", "strict",
-               "fallback", "agrees with table", "composition"]
+               "fallback", "agrees", "composition"]
+    narrow = width is not None and width < 160  # short variant and fallback words, explained below
+    variant_words = {"reentrant": "R", "non-reentrant": "NR"} if narrow else {}
+    by_design = "by design" if narrow else "raises (by design)"
     cells = []
     for row in rows:
-        fallback = {"ok": yes, "raises (by design)": "raises (by design)"}.get(row.fallback, no)
+        fallback = {"ok": yes, "raises (by design)": by_design}.get(row.fallback, no)
         raw = row.raw if unicode else row.raw.replace("…", "...")
+        if narrow and raw.startswith("raises: "):
+            raw = raw[len("raises: "):]  # "RuntimeError: ..." says it raised
         cells.append([
-            row.rule_id, row.variant, *([row.device] if cuda else []), raw, row.strict,
-            fallback, yes if row.agrees else no, row.name,
+            row.rule_id, variant_words.get(row.variant, row.variant), *([row.device] if cuda else []), raw,
+            row.strict, fallback, yes if row.agrees else no, row.name,
         ])
+    ellipsis = "…" if unicode else "..."
+    if width is not None:
+        raw_column = headers.index("torch without guard")
+        _fit_columns(headers, cells, (raw_column, len(headers) - 1), width, ellipsis)
     lines += _table(headers, cells)
+    if narrow:
+        lines.append(
+            "R / NR: use_reentrant=True / False; by design: fallback raises the drift it could not "
+            "foresee; --json has every cell in full"
+        )
     lines.append("")
     if head.get("not_on_this_torch"):
         lines.append(f"not measured on torch {head['torch']} (outside the releases their claim holds on):")
@@ -196,6 +244,13 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True) -> s
                 "cannot rule out when checkpoint is called)" if acted else ""
             )
         )
+    if width is not None:  # the table is cut to fit; the prose is wrapped
+        table = range(6, 6 + 2 + len(cells))
+        lines = [
+            wrapped
+            for i, line in enumerate(lines)
+            for wrapped in ([line] if i in table else textwrap.wrap(line, width, subsequent_indent="    ") or [""])
+        ]
     return "\n".join(lines)
 
 
@@ -233,7 +288,8 @@ def _cmd_matrix(*, as_json: bool, quiet: bool) -> int:
         sys.stdout.write("\n")
     else:
         unicode = _can_encode(sys.stdout, "✓✗—…")
-        sys.stdout.write(format_matrix(head, rows, unicode=unicode) + "\n")
+        width = shutil.get_terminal_size((100, 24)).columns  # $COLUMNS, the terminal, else 100
+        sys.stdout.write(format_matrix(head, rows, unicode=unicode, width=width) + "\n")
     sys.stdout.flush()
     return code
 

@@ -727,6 +727,57 @@ def _probe_optimizer_step_skips_block(ckpt, use_reentrant):
 # torch < 2.12 refuses non-reentrant checkpoint under vmap, jvp and functionalize (CKG007)
 _SINCE_2_12 = TorchRange(since=(2, 12))
 
+def _probe_eval_switch_without_mode_dependent_layers(ckpt, use_reentrant):
+    """A block without dropout or batch norm switched to eval between its forward and backward."""
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    x = torch.randn(4, 8, requires_grad=True)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    block.eval()  # e.g. an evaluation hook between the forward and the backward
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+def _probe_default_dtype_switch_no_factory(ckpt, use_reentrant):
+    """The default dtype changes before backward, but the block creates no tensor from it."""
+    import torch
+
+    torch.manual_seed(0)
+    block = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    previous = torch.get_default_dtype()
+    try:
+        y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+        torch.set_default_dtype(torch.float64)
+        y.pow(2).sum().backward()
+    finally:
+        torch.set_default_dtype(previous)
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+def _probe_observer_function_mode(ckpt, use_reentrant):
+    """A user TorchFunctionMode that only counts calls, around the forward; backward outside it."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class CountCalls(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CountCalls.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = _mlp()
+    x = torch.randn(4, 8, requires_grad=True)
+    with CountCalls():
+        y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
 SAFE_COMPOSITIONS: tuple[Composition, ...] = (
     Composition(
         name="training-step",
@@ -950,6 +1001,12 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         probe=_probe_flop_counter_forward,
     ),
     Composition(
+        name="eval-switch-without-mode-dependent-layers",
+        description="a Linear/GELU/LayerNorm block switched to eval between forward and backward (CKG106 stays quiet)",
+        variants=BOTH,
+        probe=_probe_eval_switch_without_mode_dependent_layers,
+    ),
+    Composition(
         name="functional-call-swap-other-module",
         description="functional_call swapping only the head; the checkpointed block (a submodule) is untouched; backward after",
         variants=BOTH,
@@ -968,6 +1025,18 @@ KNOWN_FALSE_ALARMS: tuple[Composition, ...] = (
         description="functional_call swapping only parameters the checkpointed block does not use, backward after",
         variants=BOTH,
         probe=_probe_functional_call_swap_outside_block,
+    ),
+    Composition(
+        name="default-dtype-switch-no-factory",
+        description="default dtype changed before backward; the block creates no tensor from it",
+        variants=BOTH,
+        probe=_probe_default_dtype_switch_no_factory,
+    ),
+    Composition(
+        name="observer-function-mode",
+        description="a user TorchFunctionMode that only counts calls, around the forward only",
+        variants=BOTH,
+        probe=_probe_observer_function_mode,
     ),
     Composition(
         name="vmap-module-forward-only",

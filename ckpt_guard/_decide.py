@@ -14,6 +14,7 @@ import dis
 import functools
 import os
 import sys
+import sysconfig
 import threading
 import warnings
 from dataclasses import replace
@@ -25,7 +26,7 @@ import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _config, _events, _layouts, _state, _versions
+from . import _config, _events, _layouts, _reads, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
 
@@ -92,6 +93,63 @@ def user_frame(start: Optional[FrameType] = None) -> tuple[Optional[FrameType], 
         frame = frame.f_back
         depth += 1
     return frame, depth
+
+
+# Where installed libraries live (site-packages, the standard library): a frame
+# there is not the user's own code, even when it is not torch's.
+_LIBRARY_DIRS = tuple(sorted({
+    os.path.abspath(path) + os.sep
+    for key in ("purelib", "platlib", "stdlib", "platstdlib")
+    for path in [sysconfig.get_paths().get(key)]
+    if path
+}))
+
+
+def your_code(frame: Optional[FrameType]) -> Optional[FrameType]:
+    """The first frame from ``frame`` outward that is in none of the installed libraries."""
+    while frame is not None and (
+        _is_library_code(frame.f_code) or os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
+    ):
+        frame = frame.f_back
+    return frame
+
+
+def _module_path(root: Any, target: Any) -> Optional[str]:
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    return None
+
+
+def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, roots: Sequence[Any] = ()) -> str:
+    """What is checkpointed: ``GPT2Block at transformer.h.3 (in GPT2LMHeadModel)``, or the function.
+
+    The module's path is found in the outermost module (``self``) on the
+    stack from ``frame`` outward, else in one of ``roots`` (the modules a
+    ``functional_call`` swapped); only when a rule fires, so it may be slow.
+    """
+    reads = _reads.reads_of(function)
+    modules = reads.whole or reads.partial
+    if not modules:
+        name = getattr(function, "__qualname__", None)
+        return f"function {name}" if isinstance(name, str) else f"a {type(function).__name__} object"
+    module = modules[0]
+    found = None
+    while frame is not None:
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if isinstance(owner, _torch.nn.Module) and owner is not module:
+            path = _module_path(owner, module)
+            if path:
+                found = (owner, path)  # keep going: the outermost module gives the full path
+        frame = frame.f_back
+    for root in roots if found is None else ():
+        path = _module_path(root, module) if root is not module else None
+        if path:
+            found = (root, path)
+            break
+    if found is None:
+        return type(module).__name__
+    return f"{type(module).__name__} at {found[1]} (in {type(found[0]).__name__})"
 
 
 def describe_site(frame: Optional[FrameType]) -> str:
@@ -184,6 +242,8 @@ def build_message(
     anticipated: bool = False,
     remedy: str = "",
     also: Sequence[str] = (),
+    checkpointed: str = "",
+    from_your_code: str = "",
 ) -> str:
     # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
     lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
@@ -192,6 +252,10 @@ def build_message(
         lines.append(f"  recompute reached from: {site}")
     else:
         lines.append(f"  checkpoint called at: {site}")
+    if checkpointed:
+        lines.append(f"  checkpointed: {checkpointed}")
+    if from_your_code and from_your_code != site:
+        lines.append(f"  from your code: {from_your_code}")
     lines.append(f"  torch.func transforms: {transforms}")
     lines.append(f"  variant: {variant}")
     if change:
@@ -247,13 +311,17 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
     variant = describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
-    transforms = _state.describe_transforms(state.transforms)
+    where = {
+        "transforms": _state.describe_transforms(state.transforms),
+        "checkpointed": describe_checkpointed(function, site_frame),
+        "from_your_code": describe_site(your_code(site_frame)),
+    }
 
     also = [other.id for other, _ in firing if other is not rule]
     if policy == "strict":
         message = build_message(
-            rule, site=site, transforms=transforms, variant=variant, policy=policy, source=config.source,
-            action="raised before running the checkpointed function (policy strict)", also=also,
+            rule, site=site, variant=variant, policy=policy, source=config.source,
+            action="raised before running the checkpointed function (policy strict)", also=also, **where,
         )
         _events.emit(rule.id, policy, "raised", site, "call")
         raise CheckpointCompositionError(message, rule)
@@ -270,8 +338,7 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     for other, other_policy in firing:
         _events.emit(other.id, other_policy, event, site, "call")
     _warn(build_message(
-        rule, site=site, transforms=transforms, variant=variant, policy=policy, source=config.source,
-        action=action, also=also,
+        rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also, **where,
     ), rule)
     return outcome
 
@@ -398,6 +465,11 @@ _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
+# Is torch.fx.symbolic_trace running?  A thread-local flag from torch 2.15 (read
+# through _get_is_fx_tracing), a module global before.
+_fx_tracing = getattr(_fx_symbolic_trace, "_get_is_fx_tracing", None) or (
+    lambda: _fx_symbolic_trace._is_fx_tracing_flag
+)
 
 
 class RngWatch:
@@ -438,11 +510,7 @@ def prepare_call(
     # proxy modes on this thread's dispatch stack, so another thread's
     # compilation does not switch the guard off here.
     config = _scoped_config() or _config._installed
-    if (
-        not config.active
-        or (_torch_compiler._is_compiling_flag and _len_dispatch_stack())
-        or _fx_symbolic_trace._is_fx_tracing_flag  # torch.fx.symbolic_trace: tracing, not training
-    ):
+    if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
         return STEP_ASIDE
     grad = _is_grad_enabled()
     # Inlined call_is_quiet for the usual non-reentrant call with grad on.
@@ -451,6 +519,8 @@ def prepare_call(
         or _forward_ad._current_level >= 0
     ):
         if not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
+            if _fx_tracing():  # torch.fx.symbolic_trace: Proxies, tracing, not training
+                return STEP_ASIDE
             outcome = decide_call(reentrant, function, args[first_input:], config)
             if outcome != PROCEED:
                 return outcome
@@ -537,7 +607,7 @@ def _checked_call(
         if state != forward_state:
             report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
         if drew is not None and drew[0]:
-            report_unpreserved_rng(reentrant, config, forward_state, site)
+            report_unpreserved_rng(function, reentrant, config, forward_state, site)
         return function(*args, **kwargs)
     if drew is None:
         return function(*args, **kwargs)
@@ -580,6 +650,7 @@ def report_drift(
             rule, config.policy_for(rule.id), forward_site_text,
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, source=config.source,
+            checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
             change=describe_change(was, now) if describe_change else f"{render(was)} → {render(now)}",
             remedy=_case_remedy(rule, was, now),
         )
@@ -587,23 +658,27 @@ def report_drift(
 
 def _case_remedy(rule: Rule, was: Any, now: Any) -> str:
     """A remedy that fits this very case, where the rule's general one would not."""
-    if rule.read == "swapped_reads" and isinstance(now, _state.SwappedReads):
+    if rule.read == "swapped_reads" and (isinstance(now, _state.SwappedReads) or _state.swaps_active_here()):
         # .backward() already runs under a functional_call, just not the forward's
-        # (second-order MAML: the outer backward recomputes an inner step).
+        # (second-order MAML: one backward recomputes the inner and the outer step).
         return (
-            "the recompute runs under another functional_call than the forward (as when an outer "
-            "backward recomputes an inner step): run this block without checkpointing (policy "
-            "fallback does), or checkpoint outside the stateless call"
+            "the recompute runs under another functional_call than the forward's: when one backward "
+            "recomputes blocks that ran under different functional_calls (second-order MAML: the "
+            "inner and the outer step), no single one can stay active for all of them. Run these "
+            "blocks without checkpointing (policy fallback does), or checkpoint outside the "
+            "stateless calls"
         )
     return ""
 
 
-def report_unpreserved_rng(reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple) -> None:
+def report_unpreserved_rng(
+    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
+) -> None:
     """CKG107: the forward drew random numbers with ``preserve_rng_state=False``."""
     forward_site_text = _describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
     _report_at_recompute(
-        _RNG_RULE, config.policy_for(_RNG_RULE.id), forward_site_text,
+        _RNG_RULE, config.policy_for(_RNG_RULE.id), forward_site_text, checkpointed=describe_checkpointed(function),
         repaired="recomputing with the forward's RNG state, which it preserved (policy fallback)",
         site=describe_site(site_frame), forward_site=forward_site_text,
         transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
@@ -647,7 +722,8 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
     message = build_message(
-        rule, site=site,
+        rule, site=site, checkpointed=describe_checkpointed(function, site_frame),
+        from_your_code=describe_site(your_code(site_frame)),
         transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
         variant=describe_variant(reentrant, None),
         policy="fallback",

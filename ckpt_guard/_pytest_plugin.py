@@ -51,7 +51,11 @@ Other pieces
 * The fixture ``ckpt_guard_events`` is the list from ``ckpt_guard.record()``
   held open for the test (setup, call and teardown): one
   :class:`ckpt_guard.Event` (``rule_id``, ``policy``, ``action``,
-  ``call_site``, ``stage``) per decision the guard made.
+  ``call_site``, ``stage``) per decision the guard made.  Where nothing
+  enabled the guard (or the session is ``off``), the fixture installs it under
+  ``warn`` for that test, so ``assert ckpt_guard_events == []`` never passes
+  without checking: ``warn`` records every decision and changes nothing torch
+  does.  A marker still decides the policy of the test call.
 * The header reports the configuration in force, e.g.
   ``ckpt_guard: strict (from --ckpt-guard)`` or ``ckpt_guard: not enabled``.
 * A bad value (unknown policy, malformed or unknown override) fails the
@@ -234,12 +238,15 @@ def pytest_report_header(config: pytest.Config) -> str:
             )
             if state.ignored_error:
                 line += f"; and malformed: {state.ignored_error}"
-        return line
+        return line + _FIXTURE_NOTE
     sources: List[str] = [s for s in (state.policy_source, state.rules_source) if s]
     line = f"ckpt_guard: {state.description} (from {', '.join(dict.fromkeys(sources))})"
     if not state.active:
-        line += "; guard not installed"
+        line += "; guard not installed" + _FIXTURE_NOTE
     return line
+
+
+_FIXTURE_NOTE = "; tests that use ckpt_guard_events run under warn"
 
 
 def _marker_config(item: pytest.Item, mark: Any) -> Tuple[str, Dict[str, str]]:
@@ -290,8 +297,27 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
 
 @pytest.fixture
 def ckpt_guard_events() -> Generator[List[Any], None, None]:
-    """Every decision the checkpoint guard makes during the test, as ``ckpt_guard.Event``\\ s."""
+    """Every decision the checkpoint guard makes during the test, as ``ckpt_guard.Event``\\ s.
+
+    A test that asks for it checks something even when nothing enabled the
+    guard (no option, environment, ini or marker, or a session set to
+    ``off``): the guard is then installed under ``warn`` for the test, which
+    records every decision and changes nothing torch does.
+    """
     import ckpt_guard
 
-    with ckpt_guard.record() as events:
-        yield events
+    from . import _config, _patch
+
+    installed_here = not ckpt_guard.is_installed() or not _config._installed.active
+    if installed_here:
+        previous = _config._installed if ckpt_guard.is_installed() else None
+        _patch.install(_config.Config("warn", {}, source="marker"))
+    try:
+        with ckpt_guard.record() as events:
+            yield events
+    finally:
+        if installed_here:
+            if previous is None:
+                ckpt_guard.uninstall()
+            else:
+                _patch.install(previous)

@@ -599,12 +599,15 @@ _DRIFT_FALLBACK = (
 _DRIFT_RULES = [
     Rule(
         id="CKG101",
-        title="parameter swap ended before the recompute (torch.func.functional_call)",
+        title="functional_call swap: the recompute would read other tensors than the forward",
         stage="recompute",
         variants=(REENTRANT, NON_REENTRANT),
         trigger=(
-            "the forward ran inside torch.func.functional_call (torch's _reparametrize_module) and "
-            "the recompute runs after that swap was undone, or under a different one"
+            "the forward ran inside torch.func.functional_call (torch's _reparametrize_module), "
+            "whose swap put other tensors in the checkpointed block's modules, and the recompute "
+            "would read different ones: the swap was undone (or another one is active) by then. "
+            "A block that reads no swapped tensor (parameter-free, or "
+            "functional_call(net, dict(net.named_parameters()))) is not at risk"
         ),
         symptom=(
             "returns silently wrong gradients: the recompute reads the module's own parameters, "
@@ -614,9 +617,11 @@ _DRIFT_RULES = [
         symptom_kind="silently wrong",
         remedy=(
             "call .backward() (or torch.autograd.grad) while the functional_call is still active, "
-            "e.g. inside a module whose forward computes the loss and its gradients, or disable "
-            "checkpointing for stateless calls (torch.func.grad over functional_call needs that "
-            "too: see CKG001/CKG002)"
+            "e.g. inside a module whose forward computes the loss and its gradients (not enough "
+            "when one backward differentiates through several functional_calls, as second-order "
+            "MAML does: then disable checkpointing for the stateless calls, which fallback does), "
+            "or disable checkpointing for stateless calls (torch.func.grad over functional_call "
+            "needs that too: see CKG001/CKG002)"
         ),
         fallback=_DRIFT_FALLBACK,
         refs=(

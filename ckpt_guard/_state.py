@@ -225,6 +225,11 @@ def push_swap(token: SwapToken) -> None:
         _swap_count[0] += 1
 
 
+def swaps_active_here() -> bool:
+    """Whether a functional_call swap is active on this thread."""
+    return bool(getattr(_swaps_here, "active", None))
+
+
 def pop_swap(token: SwapToken) -> None:
     active = getattr(_swaps_here, "active", [])
     if token in active:
@@ -337,6 +342,15 @@ def describe_swap_change(was: object, now: object) -> str:
 
 
 swapped_reads.describe_change = describe_swap_change  # type: ignore[attr-defined]
+
+
+def swapped_roots(state: tuple) -> list:
+    """The modules the swaps recorded in a captured state belong to (for messages)."""
+    roots = []
+    for value in state:
+        if isinstance(value, SwappedReads):
+            roots += [module for module in (token.module() for token in value.swaps) if module is not None]
+    return roots
 
 
 def describe_swaps(value: object) -> str:

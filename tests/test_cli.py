@@ -78,7 +78,7 @@ ROWS_PER_DEVICE = len(expected_rows())
 
 
 def test_matrix_text_agrees_on_this_torch(tmp_path):
-    result = cli(cwd=tmp_path, env=_env(PYTHONIOENCODING="utf-8"))
+    result = cli(cwd=tmp_path, env=_env(PYTHONIOENCODING="utf-8", COLUMNS="250"))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     head = out.splitlines()[:5]
@@ -93,10 +93,45 @@ def test_matrix_text_agrees_on_this_torch(tmp_path):
         assert composition.name in out
     assert "raises (by design)" in out  # CKG105: drift first seen at recompute
     assert "STALE" not in out and "✗" not in out
-    assert "agree with the table" in out.splitlines()[-1]
+    assert "agree with the table" in " ".join(out.split("\n\n")[-1].split())  # the verdict, wrapped
     # progress goes to stderr, one line per row
     n = ROWS_PER_DEVICE * (2 if torch.cuda.is_available() else 1)
     assert f"[1/{n}] " in result.stderr and f"[{n}/{n}] " in result.stderr
+    # fitted to an 80-column terminal: every line fits, the cut cells end in "…"
+    lines = [line for line in format_matrix_lines(out, width=80) if line]
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    assert any(line.endswith("…") for line in lines)
+    assert any(line.startswith("R / NR: use_reentrant=True / False") for line in lines)
+
+
+def format_matrix_lines(wide_text: str, width: int) -> list:
+    """Re-render the rows of a full matrix run at ``width`` (the same rows, no second run)."""
+    rows = [
+        _matrix.Row(kind="rule" if r != "-" else "safe", rule_id=r, name=n, variant=v, device="cpu",
+                    expected="", raw=raw, strict=st, strict_equal_raw=None, fallback=fb)
+        for r, n, v, raw, st, fb in _parse_matrix_table(wide_text)
+    ]
+    head = {"interception": "working: " + "x" * 120, "ckpt_guard": ckpt_guard.__version__,
+            "torch": torch.__version__, "python": "3", "cuda_used": False, "cuda_device": None}
+    from ckpt_guard._cli import format_matrix
+
+    return format_matrix(head, rows, width=width).splitlines()
+
+
+def _parse_matrix_table(text: str) -> list:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("rule "))
+    header = lines[start]
+    columns = [header.index(name) for name in ("rule", "variant", "torch without guard", "strict", "fallback",
+                                               "agrees", "composition")]
+    parsed = []
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        cells = [line[a:b].strip() for a, b in zip(columns, columns[1:] + [len(line)])]
+        fallback = {"✓": "ok"}.get(cells[4], "raises (by design)" if "design" in cells[4] else cells[4])
+        parsed.append((cells[0], cells[6], cells[1], cells[2], cells[3], fallback))
+    return parsed
 
 
 def test_matrix_json(tmp_path):

@@ -12,9 +12,18 @@ from conftest import per_sample_grads_refusal
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _needs_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return pytest.mark.skip(reason="transformers is not installed (the README's set-up installs it on Python >= 3.10)")
+    return ()
+
+
 @pytest.mark.parametrize("script, shows", [
     ("per_sample_grads.py", f"[{per_sample_grads_refusal()}]"),
     ("gan_step_order.py", "[CKG108]"),
+    pytest.param("hf_per_sample_grads.py", "GPT2Block at transformer.h.", marks=_needs_transformers()),
 ])
 def test_example_runs(script, shows):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_GUARD_")}

@@ -175,6 +175,14 @@ FALSE_ALARM_REASONS = {
         "the guard cannot tell that the swap misses the tensors the block uses; checkpointing "
         "the submodule itself (checkpoint(self.inner, x)) gets the precise check"
     ),
+    "default-dtype-switch-no-factory": (
+        "CKG105, conservative: the guard cannot tell whether the block creates tensors from the "
+        "default dtype (torch.tensor, torch.ones, ...) without running it, so any change fires"
+    ),
+    "observer-function-mode": (
+        "CKG103, conservative: the guard cannot tell a mode that only observes from one that "
+        "changes results, so a user function mode missing at recompute fires"
+    ),
     "vmap-module-forward-only": (
         "CKG003 as specified: under vmap with grad enabled and trainable parameters the output "
         "carries autograd history out of the vmap; run forward-only vmap under torch.no_grad() "

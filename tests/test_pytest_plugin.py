@@ -199,21 +199,25 @@ def test_precedence(pytester, monkeypatch, ini, env, cli, expected):
     result.stdout.fnmatch_lines([f"ckpt_guard: {expected} (from *)"])
 
 
+#: what the header adds where the fixture would enable the guard itself
+NOTE = "; tests that use ckpt_guard_events run under warn"
+
+
 @pytest.mark.parametrize(
     "args, env, header",
     [
-        pytest.param([], {}, "ckpt_guard: not enabled", id="nothing"),
+        pytest.param([], {}, "ckpt_guard: not enabled" + NOTE, id="nothing"),
         pytest.param(
             [],
             {"CKPT_GUARD_RULES": "CKG001=warn"},
             "ckpt_guard: not enabled (overrides from environment variable CKPT_GUARD_RULES "
-            "ignored: no policy from --ckpt-guard, CKPT_GUARD_POLICY or ini option ckpt_guard)",
+            "ignored: no policy from --ckpt-guard, CKPT_GUARD_POLICY or ini option ckpt_guard)" + NOTE,
             id="rules-alone",
         ),
         pytest.param(
             ["--ckpt-guard=off"],
             {"CKPT_GUARD_POLICY": "strict"},
-            "ckpt_guard: off (from --ckpt-guard); guard not installed",
+            "ckpt_guard: off (from --ckpt-guard); guard not installed" + NOTE,
             id="off",
         ),
     ],
@@ -279,7 +283,7 @@ def test_marker_installs_for_one_test_and_works_with_strict_markers(pytester):
     result.assert_outcomes(passed=5, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "ckpt_guard: not enabled",
+            "ckpt_guard: not enabled" + NOTE,
             "*unknown policy 'loud' from @pytest.mark.ckpt_guard on "
             "test_marker.py::test_bad_marker; valid choices: off, warn, fallback, strict*",
         ]
@@ -430,7 +434,7 @@ def test_entry_point_registered_and_autoloaded(pytester):
     pytester.makepyfile(test_empty="def test_x(): pass")
     result = pytester.runpytest_subprocess(*QUIET_ARGS)  # no "-p ckpt_guard": autoloaded
     result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["ckpt_guard: not enabled"])
+    result.stdout.fnmatch_lines(["ckpt_guard: not enabled" + NOTE])
 
 
 def test_malformed_leftover_overrides_do_not_stop_an_unguarded_session(pytester, monkeypatch):
@@ -443,3 +447,51 @@ def test_malformed_leftover_overrides_do_not_stop_an_unguarded_session(pytester,
         "ckpt_guard: not enabled (overrides from environment variable CKPT_GUARD_RULES ignored: *"
         "; and malformed: ckpt_guard: unknown rule id 'CKG999'*",
     ])
+
+
+# --------------------------------------------------------------------------
+# the fixture always checks something
+
+VACUOUS = """
+import torch
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False).sum()
+
+
+def test_no_unsafe_composition(ckpt_guard_events):
+    net = Net()
+    params = {k: v.detach() * 2 for k, v in net.named_parameters()}
+    functional_call(net, params, (torch.randn(2, 3, requires_grad=True),)).backward()  # CKG101
+    assert ckpt_guard_events == []
+
+
+def test_the_guard_is_gone_afterwards():
+    assert ckpt_guard.is_installed() is INSTALLED_AFTER
+"""
+
+
+@pytest.mark.parametrize("args", [[], ["--ckpt-guard=off"]], ids=["nothing-enabled", "session-off"])
+def test_events_fixture_checks_even_when_nothing_enabled_the_guard(pytester, args):
+    """Before, this test passed whatever the composition did, unless a flag enabled the guard."""
+    pytester.makepyfile(test_vacuous=VACUOUS.replace("INSTALLED_AFTER", "False"))
+    result = run(pytester, "-p", "no:randomly", *args)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*Event(rule_id='CKG101', policy='warn', action='warned'*"])
+
+
+def test_events_fixture_keeps_the_sessions_own_policy(pytester):
+    pytester.makepyfile(test_vacuous=VACUOUS.replace("INSTALLED_AFTER", "True"))
+    result = run(pytester, "-p", "no:randomly", "--ckpt-guard=strict")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*CheckpointCompositionError: [[]CKG101[]]*"])

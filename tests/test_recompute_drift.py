@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
+from conftest import run_raw
 
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
@@ -491,3 +492,79 @@ def test_optimizer_step_blamed_only_for_what_it_changed():
         for p, b in zip(generator.parameters(), backup):
             p.copy_(b)  # restore: values as in the forward
     fake.sum().backward()  # quiet: the step did not touch the generator (strict would raise)
+
+
+# --------------------------------------------------------------------------
+# MAML (a new user's report): the common step is quiet; second-order says what changed
+
+
+class _Learner(torch.nn.Module):
+    def __init__(self, checkpointing=True):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        self.head = torch.nn.Linear(4, 1)
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        h = checkpoint(self.body, x, use_reentrant=False) if self.checkpointing else self.body(x)
+        return self.head(torch.tanh(h)).pow(2).mean()
+
+
+def test_maml_step_with_the_modules_own_parameters_is_quiet():
+    """functional_call(net, dict(net.named_parameters()), x), gradient after the call returned:
+    the recompute reads the very tensors the forward read, so nothing fires and fallback keeps
+    checkpointing (both did fire before: CKG101 on the mere existence of the swap)."""
+    torch.manual_seed(0)
+    net = _Learner()
+    x = torch.randn(5, 4)
+
+    def step():
+        loss = functional_call(net, dict(net.named_parameters()), (x,))
+        return torch.autograd.grad(loss, list(net.parameters()))
+
+    raw = run_raw(lambda ckpt, ur: step(), False)
+    for policy in ("strict", "fallback"):
+        with ckpt_guard.policy(policy), ckpt_guard.record() as events:
+            guarded = step()
+        assert events == [], policy
+        for g, r in zip(guarded, raw):
+            assert torch.equal(g, r)
+
+
+def _second_order_maml(model, x, inner_lr=0.1):
+    """Adapt on x (create_graph), then the outer loss of the adapted weights; meta-gradients.
+
+    Taken the way CKG101's remedy says (the meta-gradient computed while a
+    functional_call of the model is still active): not enough here, as the
+    outer step's blocks ran under another one (the adapted weights).
+    """
+    params = {k: v * 1 for k, v in model.named_parameters()}  # the meta-parameters, as tensors of their own
+    with torch.nn.utils.stateless._reparametrize_module(model, params):  # what functional_call does
+        inner = model(x)
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        adapted = {k: v - inner_lr * g for (k, v), g in zip(params.items(), grads)}
+        outer = functional_call(model, adapted, (x * 0.5,))
+        return torch.autograd.grad(outer, list(model.parameters()))
+
+
+def test_second_order_maml_says_which_tensors_changed_and_what_fits():
+    torch.manual_seed(0)
+    net, plain = _Learner(), _Learner(checkpointing=False)
+    plain.load_state_dict(net.state_dict())
+    x = torch.randn(5, 4)
+    reference = _second_order_maml(plain, x)
+    raw = run_raw(lambda ckpt, ur: _second_order_maml(net, x), False)
+    assert not all(torch.allclose(r, e, atol=1e-5) for r, e in zip(raw, reference))  # silently off without the guard
+    with pytest.raises(CheckpointCompositionError) as info:
+        _second_order_maml(net, x)
+    message = str(info.value)
+    assert info.value.rule.id == "CKG101"
+    change = next(line for line in message.splitlines() if "changed since the forward:" in line)
+    assert "body.0.weight" in change and "functional_call #" in change, change
+    assert "functional_call active → functional_call active" not in message
+    assert "runs under another functional_call than the forward" in message
+    assert "call .backward() (or torch.autograd.grad) while the functional_call is still active" not in message
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning):
+        guarded = _second_order_maml(net, x)
+    for g, e in zip(guarded, reference):
+        torch.testing.assert_close(g, e)
