@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import TYPE_CHECKING, Any, Iterator, List, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional, Union
 
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointCompositionWarning",
     "Event",
     "Rule",
+    "checkpoint",
     "current_config",
     "install",
     "is_installed",
@@ -86,11 +87,36 @@ def policy(policy: str, *, rules: RulesArg = None) -> Iterator[None]:
     """
     from . import _config
 
-    token = _config.push_scope(_config.build_config(policy, rules, read_env=False, source="scope"))
+    config = _config.build_config(policy, rules, read_env=False, source="scope")
+    if config.may_fall_back and is_installed():
+        from . import _patch
+
+        _patch.enable_composable_fallback()
+    token = _config.push_scope(config)
     try:
         yield
     finally:
         _config.pop_scope(token)
+
+
+def checkpoint(
+    function: Callable[..., Any], *args: Any, context_fn: Any = None, preserve_rng_state: bool = True, **kwargs: Any,
+) -> Any:
+    """Activation checkpointing for code written for ``torch.func``: ``checkpoint(function, *args, **kwargs)``.
+
+    Outside torch.func transforms it is torch's own non-reentrant checkpoint.
+    Under a transform (grad, vjp, jacrev, hessian, vmap, jvp, jacfwd) it is
+    ckpt_guard's composable recompute: the block's activations are not kept,
+    and torch.func transforms it correctly (every tensor the block reads that
+    may need a gradient is passed to it explicitly, modules' parameters and
+    buffers included).  Where neither is correct (the block captures a tensor
+    that needs a gradient, a user mode is active, ...) the rule that explains
+    why applies, under the policy in force (default ``strict``: it raises).
+    ``context_fn`` and ``preserve_rng_state`` are torch's checkpoint options.
+    """
+    from . import _decide
+
+    return _decide.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
 
 
 def rules() -> "tuple[Rule, ...]":

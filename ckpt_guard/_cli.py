@@ -161,11 +161,11 @@ def _fit_columns(headers: Sequence[str], rows: List[List[str]], flexible: Sequen
 
     The other columns keep their text; the flexible ones share what is left
     equally (one that needs less gives the rest to the others), each at least
-    as wide as its header and 12 characters (a terminal narrower than that wraps).
+    as wide as its header and 8 characters (a terminal narrower than that wraps).
     """
     natural = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     fixed = sum(w for i, w in enumerate(natural) if i not in flexible) + 2 * (len(headers) - 1)
-    least = {i: max(12, len(headers[i])) for i in flexible}
+    least = {i: max(8, len(headers[i])) for i in flexible}
     room = max(width - fixed, sum(least.values()))
     if sum(natural[i] for i in flexible) <= room:
         return
@@ -199,30 +199,41 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, widt
         f"CUDA used  {'yes (' + str(head['cuda_device']) + ')' if cuda else 'no'}",
         "",
     ]
-    headers = ["rule", "variant", *(["device"] if cuda else []), "torch without guard", "strict",
-               "fallback", "agrees", "composition"]
-    narrow = width is not None and width < 160  # short variant and fallback words, explained below
+    narrow = width is not None and width < 160  # short headers and words, explained below the table
+    headers = ["rule", "var" if narrow else "variant", *(["device"] if cuda else []),
+               "torch alone" if narrow else "torch without guard", "strict", "fallback",
+               "ran" if narrow else "fallback ran", "ok" if narrow else "agrees", "composition"]
     variant_words = {"reentrant": "R", "non-reentrant": "NR"} if narrow else {}
     by_design = "by design" if narrow else "raises (by design)"
+    ran_words = {"composable": "compos.", "no checkpoint": "plain", "use_reentrant=False": "NR",
+                 "checkpoint": "ckpt"} if narrow else {}
     cells = []
     for row in rows:
         fallback = {"ok": yes, "raises (by design)": by_design}.get(row.fallback, no)
+        ran = ran_words.get(row.fallback_ran, row.fallback_ran)
+        if row.fallback_saving not in ("", "-", "no"):  # "no": plain says it
+            ran = f"{ran} {row.fallback_saving}" if narrow else f"{ran}, saving {row.fallback_saving}"
         raw = row.raw if unicode else row.raw.replace("…", "...")
         if narrow and raw.startswith("raises: "):
             raw = raw[len("raises: "):]  # "RuntimeError: ..." says it raised
         cells.append([
             row.rule_id, variant_words.get(row.variant, row.variant), *([row.device] if cuda else []), raw,
-            row.strict, fallback, yes if row.agrees else no, row.name,
+            row.strict, fallback, ran or "-", yes if row.agrees else no, row.name,
         ])
     ellipsis = "…" if unicode else "..."
     if width is not None:
-        raw_column = headers.index("torch without guard")
-        _fit_columns(headers, cells, (raw_column, len(headers) - 1), width, ellipsis)
+        raw_column = headers.index("torch alone" if narrow else "torch without guard")
+        ran_column = headers.index("ran" if narrow else "fallback ran")
+        _fit_columns(headers, cells, (raw_column, ran_column, len(headers) - 1), width, ellipsis)
     lines += _table(headers, cells)
     if narrow:
         lines.append(
-            "R / NR: use_reentrant=True / False; by design: fallback raises the drift it could not "
-            "foresee; --json has every cell in full"
+            "var R / NR: use_reentrant=True / False; torch alone: what torch does without the "
+            "guard; by design: fallback raises the drift it could not foresee; ran: what fallback "
+            "ran, ckpt (torch's checkpoint), NR (use_reentrant=False), compos. (the composable "
+            "recompute) or plain (without checkpointing), and whether the memory saving was kept "
+            "(partly: a differentiable recompute), measured; ok: agrees with the table; --json "
+            "has every cell in full"
         )
     lines.append("")
     if head.get("not_on_this_torch"):
@@ -235,13 +246,19 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, widt
         disagreeing = sorted({f"{r.rule_id if r.kind == 'rule' else r.name} ({r.variant})" for r in rows if not r.agrees})
         lines.append(f"{len(disagreeing)} of {len(rows)} rows disagree with the table: {', '.join(disagreeing)}")
     else:
-        acted = sum(1 for r in rows if r.kind != "rule" and r.fallback_actions)
+        safe = [r for r in rows if r.kind == "safe"]
+        plain = sum(r.fallback_ran == "no checkpoint" for r in safe)
+        composable = sum(r.fallback_ran == "composable" for r in safe)
+        acted = [
+            *([f"{composable} as the composable recompute"] if composable else []),
+            *([f"{plain} without checkpointing"] if plain else []),
+        ]
         lines.append(
             f"all {len(rows)} rows agree with the table on torch {head['torch']}: every rule's symptom "
             "reproduced and caught, every safe composition left untouched by strict"
             + (
-                f" (fallback ran {acted} of them without checkpointing, correctly: a risk it "
-                "cannot rule out when checkpoint is called)" if acted else ""
+                f" (fallback ran {' and '.join(acted)}, correctly: a risk it cannot rule out when "
+                "checkpoint is called)" if acted else ""
             )
         )
     if width is not None:  # the table is cut to fit; the prose is wrapped

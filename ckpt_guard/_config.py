@@ -46,6 +46,9 @@ class Config:
     overrides: Mapping[str, str] = field(default_factory=dict)
     #: one of SOURCES: how the user set it (so a hint can say how to change it)
     source: str = field(default="install", compare=False)
+    #: the guard's own scope inside a composable recompute (``_composable``):
+    #: checkpoint calls there run as plain calls, deciding nothing
+    plain: bool = field(default=False, compare=False)
 
     #: False when every rule is off: the patch points then step aside at once.
     active: bool = field(init=False)
@@ -55,7 +58,7 @@ class Config:
 
     def __post_init__(self) -> None:
         policies = {self.policy, *self.overrides.values()}
-        object.__setattr__(self, "active", policies != {"off"})
+        object.__setattr__(self, "active", policies != {"off"} and not self.plain)
         object.__setattr__(self, "may_fall_back", "fallback" in policies)
 
     def policy_for(self, rule_id: str) -> str:
@@ -167,6 +170,9 @@ def build_config(
         overrides = check_rules(rules, "argument 'rules'")
     return Config(base, overrides, source)
 
+
+#: Checkpoints nested in a block the guard recomputes itself run plainly.
+PLAIN = Config("off", source="default", plain=True)
 
 # The installed configuration (process-wide) and the scoped one (per context).
 _installed: Config = Config("off", source="default")

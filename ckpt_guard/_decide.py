@@ -26,7 +26,7 @@ import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _config, _events, _layouts, _reads, _state, _versions
+from . import _composable, _config, _events, _layouts, _reads, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
 
@@ -296,26 +296,40 @@ def applying_rules(state: _state.CallState) -> list:
     return [rule for rule in applying if not ids.intersection(rule.yields_to)]
 
 
-def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Config) -> str:
-    """Apply the call-time rules to a non-quiet call; may raise or warn."""
-    state = _state.read_call_state(reentrant, function, args)
-    firing = [
+def _firing(state: _state.CallState, config: _config.Config) -> list:
+    """``[(rule, policy)]`` for the call-time rules that fire under ``config``."""
+    return [
         (rule, config.policy_for(rule.id))
         for rule in applying_rules(state)
         if config.policy_for(rule.id) != "off"
     ]
-    if not firing:
-        return PROCEED
-    # The most severe policy among the rules that fired decides; table order breaks ties.
-    rule, policy = max(firing, key=lambda rp: _SEVERITY[rp[1]])
-    site_frame, _ = user_frame(sys._getframe(1))
-    site = describe_site(site_frame)
-    variant = describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
-    where = {
-        "transforms": _state.describe_transforms(state.transforms),
+
+
+def _deciding(firing: list) -> tuple:
+    """The most severe policy among the rules that fired decides; table order breaks ties."""
+    return max(firing, key=lambda rp: _SEVERITY[rp[1]])
+
+
+def _where(function: Any, transforms: tuple, site_frame: Optional[FrameType]) -> dict:
+    """The message lines that say where this happens."""
+    return {
+        "transforms": _state.describe_transforms(transforms),
         "checkpointed": describe_checkpointed(function, site_frame),
         "from_your_code": describe_site(your_code(site_frame)),
     }
+
+
+def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Config) -> str:
+    """Apply the call-time rules to a non-quiet call; may raise or warn."""
+    state = _state.read_call_state(reentrant, function, args)
+    firing = _firing(state, config)
+    if not firing:
+        return PROCEED
+    rule, policy = _deciding(firing)
+    site_frame, _ = user_frame(sys._getframe(1))
+    site = describe_site(site_frame)
+    variant = describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
+    where = _where(function, state.transforms, site_frame)
 
     also = [other.id for other, _ in firing if other is not rule]
     if policy == "strict":
@@ -328,7 +342,7 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
 
     if policy == "warn":
         outcome = PROCEED
-    elif reentrant and _nothing_fires(replace(state, reentrant=False)) and not _drift_risk(config, function):
+    elif _non_reentrant_will_do(state, config, function):
         outcome = NON_REENTRANT_INSTEAD
     else:
         outcome = NO_CHECKPOINT
@@ -343,12 +357,16 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     return outcome
 
 
-def _drift_risk(config: _config.Config, function: Any) -> bool:
-    """Would a non-reentrant checkpoint here be run without checkpointing anyway (a drift risk)?"""
-    forward_state = capture(function)
-    return risk_visible(forward_state) and any(
-        forward_state[index] and _DRIFT_HOLDS[index] and config.policy_for(DRIFT_RULES[index].id) == "fallback"
-        for index in _ANTICIPATED_INDICES
+def _non_reentrant_will_do(state: _state.CallState, config: _config.Config, function: Any) -> bool:
+    """Fallback for a reentrant call: is use_reentrant=False right here?
+
+    Only if no call-time rule would fire for it, and no drift risk would make
+    fallback run it without checkpointing anyway.
+    """
+    return (
+        state.reentrant
+        and _nothing_fires(replace(state, reentrant=False))
+        and _anticipated_rule(config, capture(function)) is None
     )
 
 
@@ -511,7 +529,7 @@ def prepare_call(
     # compilation does not switch the guard off here.
     config = _scoped_config() or _config._installed
     if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
-        return STEP_ASIDE
+        return NO_CHECKPOINT if config.plain else STEP_ASIDE
     grad = _is_grad_enabled()
     # Inlined call_is_quiet for the usual non-reentrant call with grad on.
     if (
@@ -590,6 +608,11 @@ def forward_context_of(context_fn: Any) -> Any:
 _SELECTIVE_CACHING_MODE = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", ())
 
 
+#: recomputes of torch's checkpoint the guard has seen (the matrix reads it: a block recomputed
+#: is a block whose activations the forward did not keep)
+TORCH_RECOMPUTES = [0]
+
+
 def _checked_call(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
     modes_managed: bool, drew: Optional[list], /, *args: Any, **kwargs: Any,
@@ -603,6 +626,7 @@ def _checked_call(
     drew random numbers; the non-reentrant forward is watched by ``_patch``.
     """
     if not reentrant or _is_grad_enabled():
+        TORCH_RECOMPUTES[0] += 1
         state = capture(function)
         if state != forward_state:
             report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
@@ -627,12 +651,13 @@ def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed
 
 def report_drift(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
-    site: tuple, modes_managed: bool = False,
+    site: tuple, modes_managed: bool = False, only: Optional[frozenset] = None,
 ) -> None:
-    """Warn about, or raise for, every drift rule whose state changed."""
+    """Warn about, or raise for, every drift rule whose state changed (``only``: these readers)."""
     changed = [
         i for i, (was, now) in enumerate(zip(forward_state, state))
         if was != now
+        and (only is None or DRIFT_RULES[i].read in only)
         and _DRIFT_HOLDS[i]
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
@@ -702,6 +727,20 @@ def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repair
     raise CheckpointCompositionError(message, rule)
 
 
+def _anticipated_rule(config: _config.Config, forward_state: tuple) -> Optional[Rule]:
+    """The drift rule under fallback whose risk is visible in this forward state, or None."""
+    if not risk_visible(forward_state):
+        return None
+    for index in _ANTICIPATED_INDICES:
+        if (
+            forward_state[index]
+            and _DRIFT_HOLDS[index]
+            and config.policy_for(DRIFT_RULES[index].id) == "fallback"
+        ):
+            return DRIFT_RULES[index]
+    return None
+
+
 def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:
     """Fallback for drift risks visible at call time: run without checkpointing.
 
@@ -709,15 +748,8 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
     grad is enabled (the patch points only ask then): the recompute could run
     after it ended, and then nothing could repair the gradients.
     """
-    for index in _ANTICIPATED_INDICES:
-        if (
-            forward_state[index]
-            and _DRIFT_HOLDS[index]
-            and config.policy_for(DRIFT_RULES[index].id) == "fallback"
-        ):
-            rule = DRIFT_RULES[index]
-            break
-    else:
+    rule = _anticipated_rule(config, forward_state)
+    if rule is None:
         return PROCEED
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
@@ -746,3 +778,157 @@ def risk_visible(forward_state: tuple) -> bool:
         if forward_state[index]:
             return True
     return False
+
+
+# --------------------------------------------------------------------------
+# the composable recompute (fallback where torch's checkpoint cannot compose)
+#
+# ``checkpoint_entry`` sits where a checkpoint call's result is returned (the
+# output entry, ``_layouts.find_output_entry``), patched in once a
+# configuration that can fall back is in force.  It asks
+# :func:`composable_instead` first; anything it leaves alone goes on to
+# torch's checkpoint and the choke points, which decide as before.
+
+#: what fallback records when it runs a block as the composable recompute
+COMPOSABLE_ACTION = "fallback: composable recompute"
+
+
+def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, original: Any) -> Any:
+    """The output entry: a composable recompute where fallback calls for one, else torch's checkpoint."""
+    config = _scoped_config() or _config._installed
+    if config.may_fall_back:
+        use_reentrant = options.get("use_reentrant")
+        reentrant = use_reentrant is None or bool(use_reentrant)
+        context_fn = options.get("context_fn")
+        # torch refuses keyword arguments and context_fn for the reentrant variant: leave that to it
+        if not (reentrant and (kwargs or (context_fn is not None and context_fn is not _noop_context_fn))):
+            built = composable_instead(
+                reentrant, function, args, kwargs, config,
+                None if context_fn is _noop_context_fn else context_fn, options.get("preserve_rng_state", True),
+            )
+            if built is not None:
+                return _composable.run(built)
+    return original()
+
+
+# What the composable recompute cannot undo: it replays the RNG, the default
+# dtype and autocast, and reads the tensors it lifted (swaps do not reach it),
+# but a train/eval switch or an optimizer step changes what it computes.
+_COMPOSABLE_DRIFT = frozenset({"module_training", "optimizer_steps"})
+
+
+def _check_composable_recompute(
+    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
+) -> None:
+    state = capture(function)
+    if state != forward_state:
+        report_drift(function, reentrant, config, forward_state, state, site, only=_COMPOSABLE_DRIFT)
+
+
+def composable_instead(
+    reentrant: bool, function: Any, args: tuple, kwargs: dict, config: _config.Config,
+    context_fn: Any, preserve_rng_state: bool,
+) -> Any:
+    """Under fallback, the composable recompute to run instead of this checkpoint call, or None.
+
+    Chosen where fallback would otherwise run the block without checkpointing:
+    a call-time rule fires under fallback (and ``use_reentrant=False`` would not
+    do), or no rule fires but a parameter swap or a torch.func transform makes a
+    drift risk visible.  Not for user modes (the recompute would run without
+    them) nor where the recompute cannot be correct (``_composable.plan``).
+    When chosen, this call's one warning and its events are emitted here.
+    """
+    if (_torch_compiler._is_compiling_flag and _len_dispatch_stack()) or _fx_tracing():
+        return None
+    grad = _is_grad_enabled()
+    inputs = args if reentrant else ()
+    quiet = _call_is_quiet(reentrant, inputs, grad)
+    state = None if quiet else _state.read_call_state(reentrant, function, args)
+    firing = _firing(state, config) if state is not None else []
+    anticipated = False
+    if firing:
+        rule, policy = _deciding(firing)
+        if policy != "fallback" or _non_reentrant_will_do(state, config, function):
+            return None
+    else:
+        if not grad:
+            return None  # nothing will be recomputed
+        rule = _anticipated_rule(config, capture(function))
+        if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
+            return None
+        anticipated = True
+    built = _composable.plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
+    if isinstance(built, str):
+        return None  # torch's checkpoint runs next; fallback runs the block plainly and says so
+    site_frame, _ = user_frame(sys._getframe(1))
+    forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
+    built.check_recompute = _partial(
+        _check_composable_recompute, function, reentrant, config, capture(function), forward_site
+    )
+    site = describe_site(site_frame)
+    transforms = state.transforms if state is not None else _state.transform_stack()
+    variant = describe_variant(reentrant, None)
+    saving = (
+        "with a differentiable recompute: something may differentiate its result again, so "
+        "torch.func keeps the recomputed activations until the transform exits"
+        if built.differentiable else "and keeps the memory saving"
+    )
+    if anticipated:
+        action = (
+            "ran it as ckpt_guard's composable recompute (policy fallback): nothing has gone wrong, "
+            "but torch's recompute could run after this state changed; this one recomputes with the "
+            f"tensors the forward read, whenever it runs, {saving}"
+        )
+    else:
+        action = (
+            f"ran it as ckpt_guard's composable recompute instead (policy fallback): torch.func "
+            f"can transform it, {saving}"
+        )
+    for fired, fired_policy in firing or [(rule, "fallback")]:
+        _events.emit(fired.id, fired_policy, COMPOSABLE_ACTION, site, "call")
+    _warn(build_message(
+        rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
+        anticipated=anticipated, also=[other.id for other, _ in firing if other is not rule],
+        **_where(function, transforms, site_frame),
+    ), rule)
+    return built
+
+
+def public_checkpoint(
+    function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool,
+) -> Any:
+    """``ckpt_guard.checkpoint``: torch's non-reentrant checkpoint, or the composable recompute.
+
+    Outside torch.func transforms (and forward-mode AD): torch's own
+    ``checkpoint(use_reentrant=False)`` (guarded as any call, if installed).
+    Under a transform: the composable recompute, where it is correct.
+    Elsewhere the rule that explains why is applied under the policy in force:
+    the scope's, else the installed one, else the environment's (default
+    strict), whether or not the guard is installed.
+    """
+    options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
+    if context_fn is not None:
+        options["context_fn"] = context_fn
+    if _peek_interpreter_stack() is None and _forward_ad._current_level < 0:
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    config = _scoped_config() or (_config._installed if _config._installed.active else None)
+    if config is None:
+        config = _config.build_config(None, None, read_env=True)
+    built = _composable.plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
+    if not isinstance(built, str):
+        site_frame, _ = user_frame(sys._getframe(1))
+        forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
+        built.check_recompute = _partial(
+            _check_composable_recompute, function, False, config, capture(function), forward_site
+        )
+        return _composable.run(built)
+    try:
+        outcome = decide_call(False, function, args, config)  # strict raises the rule's explanation
+    except CheckpointCompositionError as exc:
+        raise CheckpointCompositionError(
+            f"{exc}\n  ckpt_guard.checkpoint could not use its composable recompute here: {built}", exc.rule
+        ) from None
+    if outcome == NO_CHECKPOINT:  # fallback: plainly, inside the user's forward context
+        with forward_context_of(context_fn) or contextlib.nullcontext():
+            return function(*args, **kwargs)
+    return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)

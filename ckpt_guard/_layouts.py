@@ -41,6 +41,7 @@ points that stay unguarded (:data:`NON_REENTRANT_ENTRY_POINTS`,
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from dataclasses import dataclass
@@ -309,3 +310,87 @@ def default_warning_codes(module: Any) -> tuple:
         for name in _DEFAULT_WARNING_FUNCTIONS
         if callable(getattr(module, name, None))
     )
+
+
+# --------------------------------------------------------------------------
+# the output entry: where a checkpoint call's result can be replaced
+#
+# The choke points above decide, but neither can change what ``checkpoint``
+# returns (the non-reentrant generator only brackets the forward, which
+# ``checkpoint`` runs itself).  Running a block as the composable recompute
+# (``_composable``) instead needs the call one level up, where the result is
+# returned.  Patched only once a configuration that can fall back is in force.
+
+
+@dataclass(frozen=True)
+class OutputEntry:
+    """Where to put ``entry(function, args, kwargs, options, original)`` in this torch's layout."""
+
+    name: str
+    releases: str
+    #: ``attach(module, entry)``: patches it in; returns how to undo that
+    attach: Callable[[Any, Callable[..., Any]], Callable[[], None]]
+
+
+def _attach_checkpoint_impl(module: Any, entry: Callable[..., Any]) -> Callable[[], None]:
+    """torch 2.14+: ``_checkpoint_impl(function, args, kwargs, *, use_reentrant, ...)``, a module global
+    that ``checkpoint`` and its curried form call at call time."""
+    original = module._checkpoint_impl
+
+    def _checkpoint_impl(function: Any, args: Any, kwargs: Any, **options: Any) -> Any:
+        return entry(function, args, kwargs, options, lambda: original(function, args, kwargs, **options))
+
+    _checkpoint_impl.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
+    module._checkpoint_impl = _checkpoint_impl
+
+    def restore() -> None:
+        module._checkpoint_impl = original
+
+    return restore
+
+
+def _checkpoint_cell(module: Any) -> Any:
+    """The closure cell of ``checkpoint``'s dynamo-disabling wrapper that holds the real function."""
+    wrapper = module.checkpoint
+    names = wrapper.__code__.co_freevars
+    if "fn" not in names or not wrapper.__closure__:
+        raise Unsupported("checkpoint is not wrapped by torch._disable_dynamo as expected")
+    return wrapper.__closure__[names.index("fn")]
+
+
+def _attach_checkpoint_cell(module: Any, entry: Callable[..., Any]) -> Callable[[], None]:
+    """torch 2.4–2.13: the function inside ``checkpoint``'s ``torch._disable_dynamo`` wrapper
+    (a closure cell), so the object dynamo recognises and names bound to it stay as they are."""
+    cell = _checkpoint_cell(module)
+    original = cell.cell_contents
+    # checkpoint's own keywords; preserve_rng_state travels in **kwargs up to 2.13
+    option_names = frozenset(
+        p.name for p in inspect.signature(original).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ) | {"preserve_rng_state"}
+
+    @functools.wraps(original, updated=())  # not __dict__: it caches torch's dynamo-disabled original
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        options = {k: kwargs.pop(k) for k in option_names & kwargs.keys()}
+        return entry(function, args, kwargs, options, lambda: original(function, *args, **options, **kwargs))
+
+    checkpoint.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
+    cell.cell_contents = checkpoint
+
+    def restore() -> None:
+        cell.cell_contents = original
+
+    return restore
+
+
+def find_output_entry(module: Any) -> OutputEntry:
+    """This torch's output entry; :class:`Unsupported` if it has none the guard knows."""
+    impl = getattr(module, "_checkpoint_impl", None)
+    if callable(impl):
+        params = list(inspect.signature(getattr(impl, "__ckpt_guard_original__", impl)).parameters)
+        if params[:3] == ["function", "args", "kwargs"]:
+            return OutputEntry("_checkpoint_impl", "torch 2.14+", _attach_checkpoint_impl)
+    try:
+        _checkpoint_cell(module)
+    except (AttributeError, Unsupported) as exc:
+        raise Unsupported(f"no _checkpoint_impl(function, args, kwargs, ...) and {exc}") from None
+    return OutputEntry("checkpoint (inside torch._disable_dynamo)", "torch 2.4–2.13", _attach_checkpoint_cell)

@@ -56,6 +56,10 @@ class Row:
     strict_equal_raw: Optional[bool]  # safe compositions: strict bitwise equal to raw (None: n/a)
     fallback: str  # "ok", "wrong", "raises (by design)", "raises: <Type>: <message start>", or "n/a"
     fallback_actions: List[str] = field(default_factory=list)  # what the guard recorded under fallback
+    #: what fallback ran ("checkpoint", "use_reentrant=False", "composable", "no checkpoint") and
+    #: whether the memory saving was kept ("kept", "partly", "no", "-"), measured (see fallback_ran)
+    fallback_ran: str = ""
+    fallback_saving: str = ""
     #: CheckpointCompositionWarning texts (first lines) under strict: a false alarm on a safe composition
     strict_warnings: List[str] = field(default_factory=list)
     #: ... and under fallback, where a drift rule warns whenever its risk is visible at call
@@ -90,6 +94,8 @@ class _Outcome:
     error: Optional[BaseException] = None
     caught: List[Any] = field(default_factory=list)  # warnings.WarningMessage
     events: list = field(default_factory=list)
+    #: recomputes seen during the run: (torch's checkpoint, composable, composable differentiable)
+    recomputes: tuple = (0, 0, 0)
 
     @property
     def raised(self) -> bool:
@@ -131,6 +137,7 @@ def _run(probe: Callable[..., Any], use_reentrant: bool, mode: str, device: str)
     # A scope opened by the caller (``with ckpt_guard.policy(...)``) must not
     # override the policy under test: a None scope reads the installed config.
     token = _config.push_scope(None)  # type: ignore[arg-type]
+    before = _recompute_counts()
     try:
         with warnings.catch_warnings(record=True) as caught, _events.record() as events, _device(device):
             warnings.simplefilter("always")
@@ -138,10 +145,53 @@ def _run(probe: Callable[..., Any], use_reentrant: bool, mode: str, device: str)
                 values = list(probe(ckpt, use_reentrant))
             except Exception as exc:  # noqa: BLE001 - measuring what happens is the point
                 return _Outcome(_RAISED, error=exc, caught=list(caught), events=list(events))
-            return _Outcome(_RETURNED, values=values, caught=list(caught), events=list(events))
+            recomputes = tuple(now - then for now, then in zip(_recompute_counts(), before))
+            return _Outcome(_RETURNED, values=values, caught=list(caught), events=list(events), recomputes=recomputes)
     finally:
         _config.pop_scope(token)
         _patch.uninstall()
+
+
+def _recompute_counts() -> tuple:
+    """(torch's checkpoint recomputes, composable recomputes, differentiable ones) so far."""
+    import sys
+
+    decide, composable = sys.modules.get("ckpt_guard._decide"), sys.modules.get("ckpt_guard._composable")
+    return (
+        decide.TORCH_RECOMPUTES[0] if decide else 0,
+        composable.RECOMPUTES if composable else 0,
+        composable.DIFFERENTIABLE_RECOMPUTES if composable else 0,
+    )
+
+
+def fallback_ran(outcome: _Outcome) -> tuple:
+    """What fallback ran, and whether checkpointing's memory saving was kept, measured.
+
+    ``(ran, saving)``: ran is "checkpoint" (torch's, as asked), "use_reentrant=False",
+    "composable" or "no checkpoint"; saving is "kept" (the block was recomputed in the
+    backward, so its forward kept no activations), "partly" (a differentiable composable
+    recompute: torch.func keeps its activations until the transform exits), "no" (run
+    plainly) or "-" (nothing recomputed).
+    """
+    actions = {event.action for event in outcome.events}
+    torch_recomputes, composable_recomputes, differentiable = outcome.recomputes
+    if "fallback: composable recompute" in actions:
+        ran = "composable"
+    elif "fallback: no checkpoint" in actions:
+        ran = "no checkpoint"
+    elif "fallback: use_reentrant=False" in actions:
+        ran = "use_reentrant=False"
+    else:
+        ran = "checkpoint"
+    if ran == "no checkpoint":
+        saving = "no"
+    elif differentiable:
+        saving = "partly"
+    elif composable_recomputes or torch_recomputes:
+        saving = "kept"
+    else:
+        saving = "-"
+    return ran, saving
 
 
 def short_error(exc: BaseException, chars: int = MESSAGE_CHARS) -> str:
@@ -308,6 +358,8 @@ def measure_rule(rule: Rule, variant: str, device: str = "cpu", composition: Any
         strict_equal_raw=None,
         fallback=fallback_text,
         fallback_actions=[f"{e.rule_id}: {e.action}" for e in fallback.events],
+        fallback_ran=fallback_ran(fallback)[0],
+        fallback_saving=fallback_ran(fallback)[1],
         strict_warnings=_guard_warnings(strict),
         fallback_warnings=_guard_warnings(fallback),
         problems=problems,
@@ -374,6 +426,8 @@ def measure_composition(composition: Any, variant: str, device: str = "cpu") -> 
         strict_equal_raw=strict_equal,
         fallback=fallback_text,
         fallback_actions=[f"{e.rule_id}: {e.action}" for e in fallback.events],
+        fallback_ran=fallback_ran(fallback)[0],
+        fallback_saving=fallback_ran(fallback)[1],
         strict_warnings=strict_warnings,
         fallback_warnings=_guard_warnings(fallback),
         problems=problems,

@@ -65,6 +65,8 @@ _applied: List[Callable[[], None]] = []
 _interception: List[str] = []
 _unguarded: List[str] = []
 _unguarded_entry_points: List[str] = []
+# whether the output entry (for the composable recompute) is patched in
+_output_entry: List[str] = []
 
 
 class UnsupportedTorchError(RuntimeError):
@@ -341,6 +343,8 @@ def _apply_patches() -> None:
         _patch_reparametrize()
         _watch_optimizer_steps()
         _skip_in_dynamo()
+        if _config._installed.may_fall_back:
+            enable_composable_fallback()
 
 
 def _refuse_or_warn_unsupported() -> None:
@@ -377,11 +381,38 @@ def _register_hook(hook: Callable[[Any], None], module_name: str) -> None:
     _hooks_registered.add(module_name)
 
 
+def enable_composable_fallback() -> None:
+    """Patch in the output entry, so fallback can run blocks as the composable recompute.
+
+    Only once a configuration that can fall back is in force (``install``, a
+    ``policy()`` scope): the entry adds a Python call to every checkpoint
+    call, which strict and warn do not need.  Stays until ``uninstall()``.
+    Without it (a torch layout the guard does not know), fallback runs such
+    blocks without checkpointing, as before.
+    """
+    with _lock:
+        if not _installed or _output_entry or "torch.utils.checkpoint" not in sys.modules:
+            return
+        import torch.utils.checkpoint as tuc
+
+        from . import _decide
+
+        try:
+            entry = _layouts.find_output_entry(tuc)
+        except _layouts.Unsupported:
+            return
+        _applied.append(entry.attach(tuc, _decide.checkpoint_entry))
+        _applied.append(_output_entry.clear)
+        _output_entry.append(f"{entry.name} ({entry.releases} layout)")
+
+
 def install(config: _config.Config) -> None:
     global _installed
     with _lock:
         _config.set_installed(config)
         if _installed:
+            if config.may_fall_back and _applied:
+                enable_composable_fallback()
             return
         if "torch" in sys.modules and getattr(sys.modules["torch"], "__version__", None):
             # torch is (fully) imported: patch now, and let a bad version raise here.

@@ -196,6 +196,11 @@ def _under_grad_transform(s: "CallState") -> bool:
 _FORWARD_TRANSFORMS = frozenset({"vmap", "jvp", "functionalize"})
 
 
+_COMPOSABLE_FALLBACK = (
+    "runs it as ckpt_guard's composable recompute where that is correct (torch.func transforms "
+    "it; the memory saving is kept), else without checkpointing (correct, no memory saving for it)"
+)
+
 _FIX_MOVE = "move the checkpoint call outside the torch.func transform"
 _FIX_NR = "pass use_reentrant=False"
 
@@ -218,7 +223,7 @@ _CALL_RULES = [
         remedy=(
             f"{_FIX_MOVE}, or drop checkpointing inside it"
         ),
-        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        fallback=_COMPOSABLE_FALLBACK,
         refs=(
             "https://github.com/pytorch/functorch/issues/993",
             "https://github.com/pytorch/pytorch/pull/85972",
@@ -250,7 +255,10 @@ _CALL_RULES = [
             f"see CKG007 for older torch; under grad, vjp, jacrev or hessian neither variant "
             f"works, see CKG001), or {_FIX_MOVE}"
         ),
-        fallback="runs it with use_reentrant=False when that is safe here, else without checkpointing",
+        fallback=(
+            "runs it with use_reentrant=False when that is safe here, else as ckpt_guard's "
+            "composable recompute where that is correct, else without checkpointing"
+        ),
         refs=(
             "https://github.com/pytorch/functorch/issues/993",
             "https://github.com/pytorch/pytorch/pull/89859",
@@ -281,7 +289,7 @@ _CALL_RULES = [
             "checkpointing), or checkpoint outside the vmap (or jacfwd), or run it under "
             "torch.no_grad() if no backward is intended"
         ),
-        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        fallback=_COMPOSABLE_FALLBACK,
         refs=(
             "https://github.com/pytorch/pytorch/issues/165880",
             "https://github.com/pytorch/pytorch/issues/122729",
@@ -348,7 +356,7 @@ _CALL_RULES = [
             "checkpoint outside the disable_saved_tensors_hooks block, or run this block without "
             "checkpointing"
         ),
-        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        fallback=_COMPOSABLE_FALLBACK,
         refs=("https://github.com/pytorch/pytorch/pull/85971",),
         torch_note="non-reentrant checkpoint is built on saved tensor hooks (pytorch#85971)",
         yields_to=("CKG007",),
@@ -421,7 +429,7 @@ _CALL_RULES = [
             "longer uses _NoopSaveInputs) runs non-reentrant checkpoint under vmap, jvp, jacfwd, "
             "functionalize and forward-mode AD (not under grad transforms: CKG001)"
         ),
-        fallback="runs the function without checkpointing (correct, no memory saving for it)",
+        fallback=_COMPOSABLE_FALLBACK,
         refs=(
             "https://github.com/pytorch/pytorch/pull/174327",
             "https://github.com/pytorch/pytorch/issues/165880",
@@ -592,8 +600,10 @@ _UNFORESEEABLE_FALLBACK = (
 )
 
 _DRIFT_FALLBACK = (
-    "runs the function without checkpointing whenever this risk is visible at call time; "
-    "a drift first seen at recompute is raised as under strict (nothing can repair it then)"
+    "acts whenever this risk is visible at call time: runs the function as ckpt_guard's composable "
+    "recompute where that is correct (it reads the tensors the forward read, under any transform), "
+    "else without checkpointing; a drift first seen at recompute is raised as under strict "
+    "(nothing can repair it then)"
 )
 
 _DRIFT_RULES = [

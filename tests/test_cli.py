@@ -101,15 +101,16 @@ def test_matrix_text_agrees_on_this_torch(tmp_path):
     lines = [line for line in format_matrix_lines(out, width=80) if line]
     assert max(len(line) for line in lines) <= 80, max(lines, key=len)
     assert any(line.endswith("…") for line in lines)
-    assert any(line.startswith("R / NR: use_reentrant=True / False") for line in lines)
+    assert any(line.startswith("var R / NR: use_reentrant=True / False") for line in lines)
 
 
 def format_matrix_lines(wide_text: str, width: int) -> list:
     """Re-render the rows of a full matrix run at ``width`` (the same rows, no second run)."""
     rows = [
         _matrix.Row(kind="rule" if r != "-" else "safe", rule_id=r, name=n, variant=v, device="cpu",
-                    expected="", raw=raw, strict=st, strict_equal_raw=None, fallback=fb)
-        for r, n, v, raw, st, fb in _parse_matrix_table(wide_text)
+                    expected="", raw=raw, strict=st, strict_equal_raw=None, fallback=fb,
+                    fallback_ran=ran, fallback_saving=saving)
+        for r, n, v, raw, st, fb, ran, saving in _parse_matrix_table(wide_text)
     ]
     head = {"interception": "working: " + "x" * 120, "ckpt_guard": ckpt_guard.__version__,
             "torch": torch.__version__, "python": "3", "cuda_used": False, "cuda_device": None}
@@ -122,15 +123,16 @@ def _parse_matrix_table(text: str) -> list:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("rule "))
     header = lines[start]
-    columns = [header.index(name) for name in ("rule", "variant", "torch without guard", "strict", "fallback",
-                                               "agrees", "composition")]
+    columns = [header.index(name) for name in ("rule", "variant", "torch without guard", "strict", "fallback ",
+                                               "fallback ran", "agrees", "composition")]
     parsed = []
     for line in lines[start + 2:]:
         if not line.strip():
             break
         cells = [line[a:b].strip() for a, b in zip(columns, columns[1:] + [len(line)])]
         fallback = {"✓": "ok"}.get(cells[4], "raises (by design)" if "design" in cells[4] else cells[4])
-        parsed.append((cells[0], cells[6], cells[1], cells[2], cells[3], fallback))
+        ran, _, saving = cells[5].partition(", saving ")
+        parsed.append((cells[0], cells[7], cells[1], cells[2], cells[3], fallback, ran, saving))
     return parsed
 
 

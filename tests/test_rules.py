@@ -400,14 +400,27 @@ def test_fix_hints_name_the_channel_that_set_the_policy(monkeypatch, channel):
             assert prefix + ("_" if other == "env" else "(") not in message, (other, message)
 
 def test_fallback_acting_on_a_risk_says_so():
-    """Fallback runs without checkpointing when a swap is active: the warning says it is a risk."""
+    """A swap is active at the call: fallback acts on the risk (the composable recompute, which
+    reads the swapped-in tensors whenever it runs), and the warning says it is a risk."""
     model = _Wrapper(torch.nn.Linear(3, 3))
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
-    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning) as record:
-        out = torch.func.functional_call(model, params, (torch.randn(2, 3),))
+    x = torch.randn(2, 3)
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, \
+            pytest.warns(CheckpointCompositionWarning) as record:
+        out = torch.func.functional_call(model, params, (x,))
     message = str(record[0].message)
     assert message.startswith("[CKG101] risk: ") and "nothing has gone wrong" in message
-    assert out.requires_grad
+    assert [(e.rule_id, e.action) for e in events] == [("CKG101", "fallback: composable recompute")]
+    out.sum().backward()  # after the swap ended: still the swapped-in tensors' gradients
+    expected = torch.autograd.grad(torch.func.functional_call(model.inner, params_of(params), (x,)).sum(),
+                                   list(params.values()))
+    for (name, p), e in zip(params.items(), expected):
+        torch.testing.assert_close(p.grad, e)
+
+
+def params_of(params):
+    return {k.removeprefix("inner.") if hasattr(k, "removeprefix") else k[len("inner."):]: v
+            for k, v in params.items()}
 
 
 class _Wrapper(torch.nn.Module):

@@ -1,0 +1,379 @@
+"""Checkpointing that works under torch.func: the composable recompute.
+
+Differential, as everywhere: the uncheckpointed reference, and the composable
+recompute (through ``fallback`` or ``ckpt_guard.checkpoint``), compared with
+``assert_close``; the events say which path ran.  Memory is measured in a
+subprocess (``benchmarks/memory.py``), not timed here.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import assert_all_close
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+from ckpt_guard._decide import COMPOSABLE_ACTION
+
+pytestmark = pytest.mark.usefixtures("guard")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _quiet(run):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run()
+
+
+def _block():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+
+
+# The transforms torch.func users compose with checkpointing: f maps a (4, 3) input to a scalar
+# through the block; each entry returns what the transform computes.
+TRANSFORMS = {
+    "grad": lambda f, x: grad(f)(x),
+    "vjp": lambda f, x: vjp(f, x)[1](torch.ones(()))[0],
+    "jacrev": lambda f, x: jacrev(f)(x),
+    "vmap(grad)": lambda f, x: vmap(grad(lambda row: f(row[None])))(x),
+    "hessian": lambda f, x: hessian(f)(x[:1]),
+    "grad(grad)": lambda f, x: grad(lambda y: grad(f)(y).pow(2).sum())(x),
+    "jacrev(jacrev)": lambda f, x: jacrev(jacrev(f))(x[:1]),
+    "jvp": lambda f, x: jvp(f, (x,), (torch.ones_like(x),))[1],
+    "jacfwd": lambda f, x: jacfwd(f)(x),
+}
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_public_checkpoint_under_transforms_matches_the_reference(transform):
+    block, x = _block(), torch.randn(4, 3)
+    run = TRANSFORMS[transform]
+    reference = run(lambda t: torch.tanh(block(t)).sum(), x)
+    got = run(lambda t: torch.tanh(ckpt_guard.checkpoint(block, t)).sum(), x)
+    torch.testing.assert_close(got, reference)
+
+
+def test_public_checkpoint_outside_transforms_is_torchs_own():
+    """Bitwise what torch.utils.checkpoint(use_reentrant=False) gives, and no decision at all."""
+    block = _block()
+
+    def step(ckpt):
+        torch.manual_seed(1)
+        x = torch.randn(4, 3, requires_grad=True)
+        block.zero_grad(set_to_none=True)
+        y = ckpt(block, x)
+        y.pow(2).sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+
+    raw = step(lambda f, t: checkpoint(f, t, use_reentrant=False))
+    with ckpt_guard.record() as events:
+        got = step(ckpt_guard.checkpoint)
+    assert events == []
+    for g, r in zip(got, raw):
+        assert torch.equal(g, r)
+
+
+def test_public_checkpoint_vmap_forward_then_backward_outside():
+    block = _block()
+    x = torch.randn(4, 3, requires_grad=True)
+    y = vmap(lambda t: ckpt_guard.checkpoint(block, t))(x)
+    y.pow(2).sum().backward()
+    got = [x.grad, *(p.grad for p in block.parameters())]
+    x2 = x.detach().requires_grad_()
+    block.zero_grad(set_to_none=True)
+    block(x2).pow(2).sum().backward()
+    assert_all_close(got, [x2.grad, *(p.grad for p in block.parameters())])
+
+
+def test_public_checkpoint_refuses_what_it_cannot_recompute():
+    """A closure over a tensor that is being differentiated: its gradient would be lost (zero)."""
+    w = torch.randn(3)
+
+    def loss(weight):
+        return ckpt_guard.checkpoint(lambda t: (t * weight).sin(), torch.randn(4, 3)).sum()
+
+    with pytest.raises(CheckpointCompositionError) as info:
+        grad(loss)(w)
+    assert info.value.rule.id == "CKG001"
+    assert "could not use its composable recompute here: it captures a tensor that requires grad" in str(info.value)
+
+
+# --------------------------------------------------------------------------
+# fallback: over the fuzz generator's transform stacks
+
+
+def _stacks():
+    from fuzz_compositions import TRANSFORMS as names
+
+    ones = [(t,) for t in names]
+    twos = [pair for pair in itertools.product(names, repeat=2) if "functionalize" not in pair]
+    return ones + twos
+
+
+@pytest.mark.parametrize("transforms", _stacks(), ids=lambda t: "-".join(t))
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_fallback_over_transform_stacks_matches_the_reference(transforms, use_reentrant):
+    """Every stack: fallback equals the uncheckpointed reference; the events say which path ran."""
+    from fuzz_compositions import Comp, all_close, run
+
+    comp = Comp(transforms=transforms, use_reentrant=use_reentrant)
+    reference = run(comp, "reference")
+    if reference.error is not None:
+        pytest.skip(f"the uncheckpointed program itself raises: {reference.error!r}")
+    with ckpt_guard.record() as events:
+        fallback = run(comp, "fallback")
+    assert fallback.error is None, fallback.describe()
+    assert all_close(fallback.values, reference.values)
+    actions = {e.action for e in events}
+    forward_levels = sum(name in ("jvp", "jacfwd") for name in transforms)
+    if "functionalize" in transforms or forward_levels > 1:
+        # no composable recompute there (functionalize does not transform it; forward over
+        # forward mode would get zero tangents through its jvp): plainly, as before
+        assert actions <= {"fallback: no checkpoint"}, actions
+    else:
+        assert actions == {COMPOSABLE_ACTION}, actions  # checkpointing kept, torch.func transformed it
+
+
+def test_fallback_composable_keeps_the_memory_saving_where_nothing_differentiates_again():
+    """grad over detached parameters: a non-differentiable recompute; grad(grad): a differentiable one."""
+    from ckpt_guard import _composable
+
+    model = _Wrapped(_block())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(4, 3)
+
+    def loss(p, t):
+        return functional_call(model, p, (t,))
+
+    before = (_composable.RECOMPUTES, _composable.DIFFERENTIABLE_RECOMPUTES)
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="keeps the memory saving"):
+        grad(loss)(params, x)
+    assert _composable.RECOMPUTES == before[0] + 1 and _composable.DIFFERENTIABLE_RECOMPUTES == before[1]
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="differentiable recompute"):
+        grad(lambda t: grad(lambda u: loss(params, u))(t).sum())(x)
+    assert _composable.DIFFERENTIABLE_RECOMPUTES > before[1]
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.tanh(checkpoint(self.block, x, use_reentrant=False)).sum()
+
+
+# --------------------------------------------------------------------------
+# second order under fallback
+
+
+SECOND_ORDER = {
+    "grad(grad)": lambda f, x: grad(lambda y: grad(f)(y).pow(2).sum())(x),
+    "jacrev(jacrev)": lambda f, x: jacrev(jacrev(f))(x[:1]),
+    "hessian": lambda f, x: hessian(f)(x[:1]),
+}
+
+
+@pytest.mark.parametrize("order", list(SECOND_ORDER))
+def test_fallback_second_order_is_right(order):
+    block, x = _block(), torch.randn(4, 3)
+    run = SECOND_ORDER[order]
+    reference = run(lambda t: torch.tanh(block(t)).sum(), x)
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = run(lambda t: torch.tanh(checkpoint(block, t, use_reentrant=False)).sum(), x)
+    torch.testing.assert_close(got, reference)
+    assert {e.action for e in events} == {COMPOSABLE_ACTION}
+
+
+def test_fallback_eager_create_graph_over_a_torch_func_result():
+    """torch.func.grad inside, eager double backward outside: the recompute must stay differentiable."""
+    block = _block()
+    x = torch.randn(4, 3, requires_grad=True)
+
+    def run(ckpt):
+        g = grad(lambda t: torch.tanh(ckpt(block, t)).sum())(x)
+        return torch.autograd.grad(g.pow(2).sum(), [x, *block.parameters()])
+
+    reference = run(lambda f, t: f(t))
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = run(lambda f, t: checkpoint(f, t, use_reentrant=False))
+    assert_all_close(got, reference)
+
+
+def test_fallback_maml_outer_loop_is_right():
+    """Per-task adaptation through functional_call (create_graph), meta-gradient of the outer loss."""
+    torch.manual_seed(0)
+    net = _Wrapped(_block())
+
+    def meta_gradient(model):
+        params = dict(model.named_parameters())
+        inner = functional_call(model, params, (torch.randn(4, 3),))
+        grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+        adapted = {k: v - 0.1 * g for (k, v), g in zip(params.items(), grads)}
+        outer = functional_call(model, adapted, (torch.randn(4, 3),))
+        return torch.autograd.grad(outer, list(params.values()))
+
+    torch.manual_seed(1)
+    with ckpt_guard.policy("off"):
+        plain = _Plain(net.block)
+        reference = meta_gradient(plain)
+    torch.manual_seed(1)
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = meta_gradient(net)
+    assert_all_close(got, reference)
+    assert COMPOSABLE_ACTION in {e.action for e in events}
+
+
+class _Plain(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.tanh(self.block(x)).sum()
+
+
+# --------------------------------------------------------------------------
+# what a block can be
+
+
+def test_non_tensor_arguments_keywords_and_structured_outputs():
+    block = _block()
+    bias = torch.randn(3)
+
+    def fn(u, scale, *, shift, tag):
+        h = block(u)
+        return {"out": torch.tanh(h) * scale + shift, "extra": (h.sum(0), tag, torch.arange(3))}
+
+    def loss(ckpt, t):
+        out = ckpt(fn, t, 0.5, shift=bias, tag="kept")
+        assert out["extra"][1] == "kept" and out["extra"][2].dtype == torch.int64
+        return out["out"].pow(2).sum() + out["extra"][0].sin().sum()
+
+    x = torch.randn(4, 3)
+    reference = grad(lambda t: loss(lambda f, *a, **k: f(*a, **k), t))(x)
+    got = grad(lambda t: loss(ckpt_guard.checkpoint, t))(x)
+    torch.testing.assert_close(got, reference)
+
+
+@pytest.mark.parametrize("holder", ["module", "bound-method", "partial", "partial-of-method", "hf-style-partial"])
+def test_callables_and_buffers(holder):
+    """Parameters and buffers are lifted wherever the module sits; integer tensors ride along."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0]))
+
+        def forward(self, x, position_ids=None, offset=0.0):
+            h = self.lin(x) * self.scale + offset
+            return h if position_ids is None else h + position_ids.float()[:, None]
+
+    torch.manual_seed(0)
+    layer = Layer()
+    positions = torch.arange(4)
+    function = {
+        "module": layer,
+        "bound-method": layer.forward,
+        "partial": functools.partial(layer, offset=0.5),
+        "partial-of-method": functools.partial(layer.forward, offset=0.5),
+        # transformers 5.x: partial(forward, self, **kwargs), integer positions among the kwargs
+        "hf-style-partial": functools.partial(Layer.forward, layer, position_ids=positions, offset=0.5),
+    }[holder]
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    x = torch.randn(4, 3)
+
+    def loss(ckpt, p):
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with _reparametrize_module(layer, p):
+            return torch.tanh(ckpt(function, x)).sum()
+
+    reference = grad(lambda p: loss(lambda f, t: f(t), p))(params)
+    got = grad(lambda p: loss(ckpt_guard.checkpoint, p))(params)
+    assert_all_close(list(got.values()), list(reference.values()))
+
+
+def test_dropout_draws_the_same_numbers_in_the_recompute():
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+
+    def run(ckpt):
+        torch.manual_seed(7)
+        return grad(lambda t: ckpt(block, t).pow(2).sum())(x)
+
+    reference = run(lambda f, t: f(t))
+    got = run(ckpt_guard.checkpoint)
+    torch.testing.assert_close(got, reference)
+    # the test can fail: another mask gives other gradients
+    torch.manual_seed(8)
+    other = grad(lambda t: block(t).pow(2).sum())(x)
+    assert not torch.allclose(other, reference)
+
+
+def test_nested_checkpoints_inside_run_plainly():
+    inner, outer = _block(), torch.nn.Linear(3, 3)
+
+    def block(t):
+        return outer(checkpoint(inner, t, use_reentrant=False))
+
+    x = torch.randn(4, 3)
+    reference = grad(lambda t: torch.tanh(outer(inner(t))).sum())(x)
+    with ckpt_guard.record() as events:
+        got = grad(lambda t: torch.tanh(ckpt_guard.checkpoint(block, t)).sum())(x)
+    torch.testing.assert_close(got, reference)
+    assert events == []
+
+
+def test_drift_the_recompute_cannot_undo_is_still_caught():
+    """A train/eval switch before backward (CKG106); a default-dtype switch is replayed."""
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    params = {k: v.detach() for k, v in block.named_parameters()}
+    x = torch.randn(2, 4)
+
+    def loss(p):
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        with _reparametrize_module(block, p):
+            out = ckpt_guard.checkpoint(block, x)
+        block.eval()  # between the forward and the recompute
+        return out.sum()
+
+    with pytest.raises(CheckpointCompositionError) as info:
+        grad(loss)(params)
+    assert info.value.rule.id == "CKG106"
+    block.train()
+
+
+# --------------------------------------------------------------------------
+# memory, measured in a fresh process
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads peak RSS from /proc (Linux only)")
+def test_fallback_under_grad_keeps_most_of_the_memory_saving():
+    """benchmarks/memory.py, medium sizes: fallback's peak under grad at most 0.6x no checkpoint
+    (the full-size target is 0.3x; medium sizes carry more fixed overhead; generous margin)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    try:
+        import memory
+    finally:
+        sys.path.pop(0)
+    base = memory.measure("mlp grad", "no checkpoint", "medium")
+    fallback = memory.measure("mlp grad", "fallback", "medium")
+    assert fallback["peak_mb"] <= 0.6 * base["peak_mb"], (fallback, base)
