@@ -13,8 +13,11 @@ reports its peak RSS above the set-up and its time.  Variants:
 * ``fallback``: the model with ``checkpoint(block, h, use_reentrant=False)`` in
   its forward, under the transform, with ``ckpt_guard.install("fallback")``
   (which runs each block as the composable recompute);
-* ``eager checkpoint``: the same checkpointed model trained eagerly
-  (``loss.backward()``): the physical reference of what checkpointing saves.
+* ``eager checkpoint``: the same checkpointed model trained eagerly on the
+  same batch (``loss.backward()``): the physical reference of what
+  checkpointing saves.  Under ``vmap(grad)`` it computes one batch gradient,
+  not per-sample ones, so it shows the activation saving alone, without the
+  per-sample gradients that the other two variants hold.
 
 Workloads: ``grad`` and ``vmap(grad)`` (per-sample gradients) of a deep MLP
 through ``functional_call``, and ``vmap(grad)`` of a small random-weight
@@ -134,7 +137,7 @@ def child(workload: str, variant: str, size: str) -> dict:
             if workload == "gpt2 vmap(grad)":
                 model(data, labels=data).loss.backward()
             else:
-                model(data if workload == "mlp grad" else data[:1]).backward()
+                model(data).backward()  # the whole batch at once: the activation saving alone
             return None
         if workload == "mlp grad":
             return grad(loss)(params, data)
@@ -211,13 +214,17 @@ def main(argv=None) -> int:
         for variant, r in by_variant.items():
             print(f"| {workload} | {variant} | {r['peak_mb']:.0f} | {r['peak_mb'] / base['peak_mb']:.2f}x | "
                   f"{r['seconds']:.2f} | {r['seconds'] / base['seconds']:.2f}x |")
-        fb = by_variant["fallback"]
+        fb, eager = by_variant["fallback"], by_variant["eager checkpoint"]
         memory_ratio, time_ratio = fb["peak_mb"] / base["peak_mb"], fb["seconds"] / base["seconds"]
-        verdicts.append(
-            f"{workload}: fallback peak {memory_ratio:.2f}x no-checkpoint (target <= 0.3x: "
-            f"{'met' if memory_ratio <= 0.3 else 'missed'}), time {time_ratio:.2f}x (target <= 1.3x: "
-            f"{'met' if time_ratio <= 1.3 else 'missed'})"
-        )
+        line = f"{workload}: fallback peak {memory_ratio:.2f}x no-checkpoint, time {time_ratio:.2f}x"
+        if workload == "mlp grad":  # the targets are set for grad; under vmap(grad) per-sample gradients dominate
+            line = (
+                f"{workload}: fallback peak {memory_ratio:.2f}x no-checkpoint (target <= 0.3x: "
+                f"{'met' if memory_ratio <= 0.3 else 'missed'}), time {time_ratio:.2f}x (target <= 1.3x: "
+                f"{'met' if time_ratio <= 1.3 else 'missed'}; eager checkpointing: "
+                f"{eager['seconds'] / base['seconds']:.2f}x)"
+            )
+        verdicts.append(line)
     print()
     print("\n".join(verdicts))
     return 0
