@@ -237,7 +237,7 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, widt
         )
     lines.append("")
     if head.get("not_on_this_torch"):
-        lines.append(f"not measured on torch {head['torch']} (outside the releases their claim holds on):")
+        lines.append(f"not measured on torch {head['torch']} here:")
         lines += [f"  {line}" for line in head["not_on_this_torch"]]
         lines.append("")
     found = _matrix.problems(rows)

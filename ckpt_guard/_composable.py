@@ -34,8 +34,9 @@ gradients flowing into the backward are checked too: one that carries an
 eager graph (a trainable layer after the block) makes it differentiable.
 
 The recompute replays what the forward saw: the CPU and device RNG states
-(dropout draws the same mask), autocast, and a user ``context_fn``'s recompute
-context.  Checkpoints nested inside the block run plainly (the outer recompute
+(dropout draws the same mask), the default dtype, a ``torch.device(...)``
+context (tensors made without a device land where they did), autocast, and a
+user ``context_fn``'s recompute context.  Checkpoints nested inside the block run plainly (the outer recompute
 already recomputes them).
 """
 
@@ -106,6 +107,9 @@ class Plan:
         self.rng: Any = None
         self.autocast: Any = None
         self.default_dtype = torch.get_default_dtype()
+        #: a torch.device(...) context's device at the call: the Function's forward
+        #: runs without function modes, so it is re-entered there and in the recompute
+        self.default_device: Any = _state.forward_device_context()
         #: called before every recompute; raises for a drift the recompute cannot
         #: undo (a train/eval switch, an optimizer step: see ``_decide``)
         self.check_recompute: Callable[[], None] = lambda: None
@@ -160,11 +164,13 @@ class Plan:
 
     @contextlib.contextmanager
     def replay(self) -> Any:
-        """The forward's RNG, default dtype, autocast and the recompute context, around a recompute."""
+        """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute."""
         self.check_recompute()
         device_type, device_autocast, cpu_autocast = self.autocast
         with contextlib.ExitStack() as stack:
             stack.enter_context(_default_dtype(self.default_dtype))
+            if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
+                stack.enter_context(torch.device(self.default_device))
             if self.rng is not None:
                 cpu_state, devices, states, _ = self.rng
                 stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device_type))
@@ -223,7 +229,8 @@ class _Recompute(torch.autograd.Function):
         forward_context = contextlib.nullcontext()
         if plan.context_fn is not None:
             forward_context, plan.recompute_context = plan.context_fn()
-        with torch.no_grad(), forward_context, _plain_nested_checkpoints():
+        device_context = contextlib.nullcontext() if plan.default_device is None else torch.device(plan.default_device)
+        with torch.no_grad(), device_context, forward_context, _plain_nested_checkpoints():
             return plan.flat_outputs(plan.call(tensors))
 
     @staticmethod

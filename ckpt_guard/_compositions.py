@@ -327,12 +327,17 @@ def _probe_autocast(ckpt, use_reentrant):
 
 
 def _probe_device_context(ckpt, use_reentrant):
-    """``with torch.device("cpu"):`` around the forward; the block creates a tensor."""
+    """``with torch.device("cpu"):`` around the forward; the block creates a tensor.
+
+    A function mode active in the forward and gone at recompute time, which
+    changes nothing there: everything is on the CPU, also on the matrix's CUDA
+    rows (a GPU default device is CKG008).
+    """
     import torch
 
     torch.manual_seed(0)
-    block = _mlp()
-    x = torch.randn(4, 8, requires_grad=True)
+    block = _mlp().to("cpu")
+    x = torch.randn(4, 8, device="cpu", requires_grad=True)
 
     def fn(t):
         return block(t) + torch.ones(8)

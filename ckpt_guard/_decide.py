@@ -28,7 +28,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _composable, _config, _events, _layouts, _reads, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
-from ._rules import CALL_RULES, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
+from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
 
 #: The installed torch, and the call-time rules whose claim holds on it (in table order).
 TORCH = _versions.installed()
@@ -42,7 +42,6 @@ NON_REENTRANT_INSTEAD = "non-reentrant"  # fallback: use_reentrant=False instead
 NO_CHECKPOINT = "no-checkpoint"  # fallback: run the function without checkpointing
 
 _SEVERITY = _config.SEVERITY
-_get_rng_state = _torch.get_rng_state
 _is_grad_enabled = _state.is_grad_enabled
 
 # --------------------------------------------------------------------------
@@ -479,6 +478,7 @@ _getframe = sys._getframe
 _torch_compiler = _torch.compiler
 _peek_interpreter_stack = _state.peek_interpreter_stack
 _len_dispatch_stack = _state._len_dispatch_stack
+_len_function_stack = _state._len_function_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
@@ -495,7 +495,7 @@ class RngWatch:
 
     The patch point hands torch ``function``, with ``preserve_rng_state`` (True
     under fallback: the safe alternative), and records in ``drew[0]`` whether
-    the forward advanced the CPU RNG.
+    the forward advanced the CPU or a CUDA RNG.
     """
 
     __slots__ = ("function", "preserve_rng_state", "drew")
@@ -564,11 +564,19 @@ def prepare_call(
         site = (user.f_code, user.f_lasti)
     else:
         site = _walk_to_forward_site()
-    if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off":
-        drew = [False]
-        guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew)
-        return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew)
-    return _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, None)
+    drew = [False] if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off" else None
+    guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew)
+    if reentrant and _len_function_stack():
+        guarded = _watch_device(guarded, function, config, forward_state, site)
+    return guarded if drew is None else RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew)
+
+
+def _watch_device(guarded: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple) -> Any:
+    """CKG109: under a GPU default device, watch the reentrant forward for tensors made without device=."""
+    device = _state.accelerator_default_device()
+    if device is None or config.policy_for(_DEVICE_RULE.id) == "off":
+        return guarded
+    return _partial(_device_watched_call, guarded, device, function, config, forward_state, site, [False])
 
 
 def _is_user_context_fn(context_fn: Any) -> bool:
@@ -635,10 +643,51 @@ def _checked_call(
         return function(*args, **kwargs)
     if drew is None:
         return function(*args, **kwargs)
-    before = _get_rng_state()  # the reentrant forward, preserve_rng_state=False
+    before = _state.rng_states()  # the reentrant forward, preserve_rng_state=False
     result = function(*args, **kwargs)
-    drew[0] = not _torch.equal(before, _get_rng_state())
+    drew[0] = _state.drew_random(before)
     return result
+
+
+def _device_watched_call(
+    guarded: Any, device: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple,
+    made: list, /, *args: Any, **kwargs: Any,
+) -> Any:
+    """CKG109: the reentrant forward (grad off) is watched, its recompute (grad on) checked.
+
+    Only a forward that made a tensor without ``device=`` is reported: the
+    recompute, run without the forward's device context, would make it on the
+    CPU.  Fallback re-enters the context (a fresh one, as torch >= 2.11 does
+    for the non-reentrant variant).
+    """
+    if not _is_grad_enabled():
+        with _state.FactoryWatch(made):
+            return guarded(*args, **kwargs)
+    if not made[0]:
+        return guarded(*args, **kwargs)
+    report_lost_device(function, config, forward_state, site, device)  # raises under strict
+    if config.policy_for(_DEVICE_RULE.id) == "fallback":
+        with _torch.device(device):
+            return guarded(*args, **kwargs)
+    return guarded(*args, **kwargs)
+
+
+def report_lost_device(function: Any, config: _config.Config, forward_state: tuple, site: tuple, device: Any) -> None:
+    """CKG109: the forward made tensors on the default device ``device``; the recompute would not."""
+    forward_site_text = _describe_forward_site(site)
+    site_frame, _ = user_frame(sys._getframe(1))
+    _report_at_recompute(
+        _DEVICE_RULE, config.policy_for(_DEVICE_RULE.id), forward_site_text,
+        checkpointed=describe_checkpointed(function),
+        repaired=f"recomputing inside torch.device({str(device)!r}), the forward's device context (policy fallback)",
+        site=describe_site(site_frame), forward_site=forward_site_text,
+        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+        variant=describe_variant(True, None), source=config.source,
+        change=(
+            f"the forward ran inside a {device} default device and made tensors without device=; "
+            "the recompute runs without that context, so they would land on the CPU"
+        ),
+    )
 
 
 def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:

@@ -91,10 +91,10 @@ def watch_forward_rng(inner: Iterator[Any], drew: list) -> Iterator[Any]:
     Same protocol as torch's: ``next`` before the forward, ``next`` after it
     (ending the generator), ``throw`` if the forward raised.
     """
-    import torch
+    from ._state import drew_random, rng_states
 
     value = next(inner)
-    before = torch.get_rng_state()
+    before = rng_states()
     try:
         yield value
     except BaseException as exc:  # the forward raised: hand it to torch's generator as is
@@ -104,7 +104,7 @@ def watch_forward_rng(inner: Iterator[Any], drew: list) -> Iterator[Any]:
             return
         yield value
         return
-    drew[0] = not torch.equal(before, torch.get_rng_state())
+    drew[0] = drew_random(before)
     yield from inner
 
 

@@ -465,7 +465,7 @@ def plan(
     compositions = list(compositions)
     tasks: List[Task] = []
     for device in on if on is not None else devices():
-        tasks += [("rule", r, v, device) for r in rules for v in r.variants]
+        tasks += [("rule", r, v, device) for r in rules for v in r.variants if device != "cpu" or not r.needs_gpu]
         for c in compositions:
             if c.holds_on(version):
                 tasks += [("safe", c, v, device) for v in c.variants]
@@ -482,6 +482,8 @@ def not_here(rules: Optional[Iterable[Rule]] = None, compositions: Optional[Iter
         from ._compositions import SAFE_COMPOSITIONS as compositions  # noqa: N811
     version = _versions.installed()
     lines = [f"{r.id}: its claim holds on torch {r.torch_range}" for r in rules if not r.holds_on(version)]
+    if "cuda" not in devices():
+        lines += [f"{r.id}: needs a GPU (a default device other than the CPU)" for r in rules if r.needs_gpu]
     lines += [
         f"{c.name}: torch gets it right on {c.torch_range}"
         + (f" (here it is a case of {c.otherwise})" if c.otherwise else " (not available here)")

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._state import CallState
 
 __all__ = [
-    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "RULE_IDS", "rule_by_id", "rules_on",
+    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "DEVICE_RULE", "RULE_IDS", "rule_by_id", "rules_on",
 ]
 
 #: A probe runs one composition with the given checkpoint function and
@@ -80,6 +80,10 @@ class Rule:
     #: call stage: rules that explain this composition better where both fire
     #: (e.g. on torch < 2.12 vmap(grad(checkpoint)) fails at the vmap first)
     yields_to: tuple[str, ...] = ()
+    #: the probe needs a GPU: its symptom needs a default device other than the
+    #: CPU; the matrix runs it on CUDA only, ``measured_on`` says where it was
+    needs_gpu: bool = False
+    measured_on: tuple[str, ...] = MEASURED
 
     def symptom_for(self, variant: str) -> str:
         """"raises" or "silently wrong" for one variant."""
@@ -91,7 +95,7 @@ class Rule:
     @property
     def torch_versions(self) -> str:
         """Where the claim holds, why, and where it was measured (for docs and ``explain``)."""
-        return f"{self.torch_range}: {self.torch_note} (measured on {', '.join(MEASURED)})"
+        return f"{self.torch_range}: {self.torch_note} (measured on {', '.join(self.measured_on)})"
 
 
 def _variant_kwargs(use_reentrant: Optional[bool]) -> dict:
@@ -837,8 +841,8 @@ RNG_RULE = Rule(
     stage="recompute",
     variants=(REENTRANT, NON_REENTRANT),
     trigger=(
-        "checkpoint(..., preserve_rng_state=False) whose forward advanced the CPU random "
-        "number generator (dropout, torch.rand, ...): the recompute draws different numbers"
+        "checkpoint(..., preserve_rng_state=False) whose forward advanced the CPU or a CUDA "
+        "random number generator (dropout, torch.rand, ...): the recompute draws different numbers"
     ),
     symptom=(
         "returns silently wrong gradients: the recompute uses a different dropout mask (or other "
@@ -851,12 +855,73 @@ RNG_RULE = Rule(
     ),
     fallback="runs the checkpoint with preserve_rng_state=True (correct, keeps the memory saving)",
     refs=("https://github.com/pytorch/pytorch/pull/71169",),
-    torch_note="the recompute draws from the RNG state it finds (CPU generator watched; CUDA generators are not)",
+    torch_note=(
+        "the recompute draws from the RNG state it finds (CPU and CUDA generators watched; "
+        "other accelerators' are not)"
+    ),
     probe=_probe_rng_not_preserved,
 )
 
+def _probe_default_device(ckpt, use_reentrant):
+    """A block that makes a tensor without naming a device, under a GPU default device.
+
+    The matrix runs this on CUDA inside ``with torch.device("cuda")`` (forward
+    and backward): ``torch.full`` lands on the GPU in the forward.
+    """
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def fn(t):
+        return block(t) * torch.full((8,), 2.0)
+
+    y = ckpt(fn, x, **_variant_kwargs(use_reentrant))
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+# Not a state comparison either: the reentrant forward is watched for tensors made without device=.
+DEVICE_RULE = Rule(
+    id="CKG109",
+    title="reentrant checkpoint under a GPU default device: the recompute makes its tensors on the CPU",
+    stage="recompute",
+    variants=(REENTRANT,),
+    trigger=(
+        "checkpoint(use_reentrant=True, or not passed) inside torch.set_default_device(...) or "
+        "`with torch.device(...)` for a device other than the CPU, whose forward made a tensor "
+        "without device= (torch.ones, torch.full, torch.arange, ...)"
+    ),
+    symptom=(
+        "the backward raises 'Expected all tensors to be on the same device, but found at "
+        "least two devices, cuda:0 and cpu!': the reentrant recompute runs without the "
+        "forward's device context, so those tensors land on the CPU"
+    ),
+    symptom_kind="raises",
+    raises_match=r"Expected all tensors to be on the same device",
+    remedy=(
+        f"{_FIX_NR} (it re-enters the forward's device context since torch 2.11), or pass "
+        "device= to the tensor constructors in the block"
+    ),
+    fallback="re-enters the forward's device context around the recompute (correct, keeps the memory saving)",
+    refs=(
+        "https://github.com/pytorch/pytorch/issues/124788",
+        "https://github.com/pytorch/pytorch/pull/172802",
+        "https://github.com/pytorch/pytorch/pull/193922",
+    ),
+    torch_note=(
+        "the reentrant recompute runs without the forward's function modes, DeviceContext "
+        "included; the fix was declined for use_reentrant=True (pytorch#193922), "
+        "use_reentrant=False got it in 2.11 (pytorch#172802)"
+    ),
+    probe=_probe_default_device,
+    needs_gpu=True,
+    measured_on=("2.11.0+cu130 on an H200 (a CPU-only machine cannot show the symptom)",),
+)
+
 #: Every rule, in id order (how the CLI and the docs list them), for every supported torch.
-RULES: tuple[Rule, ...] = tuple(sorted(_CALL_RULES + _DRIFT_RULES + [RNG_RULE], key=lambda rule: rule.id))
+RULES: tuple[Rule, ...] = tuple(sorted(_CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE], key=lambda rule: rule.id))
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
 #: Recompute rules decided by comparing state captured in the forward and at recompute.
 DRIFT_RULES: tuple[Rule, ...] = tuple(_DRIFT_RULES)

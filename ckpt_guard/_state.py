@@ -36,6 +36,7 @@ import collections
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ from torch._C._functorch import (
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 from torch.overrides import _get_current_function_mode_stack
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _reads
@@ -108,6 +111,7 @@ INFRASTRUCTURE_MODES = frozenset(
         "torch.utils.checkpoint._CachingTorchDispatchMode",
         "torch.utils.checkpoint._CachedTorchDispatchMode",
         "torch.utils._device.DeviceContext",
+        "ckpt_guard._state.FactoryWatch",  # the guard's own (CKG109)
         "torch._export.non_strict_utils._NonStrictTorchFunctionHandler",
         "torch.testing._internal.logging_tensor.LoggingTensorMode",
         # torch's observers: they count or check, never change a value
@@ -564,6 +568,48 @@ def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState
     )
 
 
+def forward_device_context() -> Optional[torch.device]:
+    """The device of the innermost ``torch.device(...)`` / ``set_default_device`` context, or None."""
+    if not _len_function_stack():
+        return None
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
+def accelerator_default_device() -> Optional[torch.device]:
+    """Where factory calls without a device go, if a device context sends them off the CPU."""
+    device = forward_device_context()
+    return None if device is None or device.type == "cpu" else device
+
+
+class FactoryWatch(TorchFunctionMode):
+    """Records in ``made[0]`` whether a tensor (not a 0-dim one) was made without ``device=`` (CKG109).
+
+    Pushed over the reentrant forward only when a GPU default device is active:
+    every torch call of that forward passes through it, which costs time there
+    and nowhere else.
+    """
+
+    def __init__(self, made: list) -> None:
+        super().__init__()
+        self.made = made
+        self.constructors = _device_constructors()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        # a 0-dim CPU tensor mixes with GPU tensors (torch.tensor(0.5) as a factor): not a problem;
+        # nor is the empty dummy a nested checkpoint makes (torch < 2.12)
+        if (
+            func in self.constructors and kwargs.get("device") is None and isinstance(result, Tensor)
+            and result.dim() and sys._getframe(1).f_globals.get("__name__") != "torch.utils.checkpoint"
+        ):
+            self.made[0] = True
+        return result
+
+
 def call_is_quiet(reentrant: bool, inputs: tuple, grad_enabled: bool) -> bool:
     """True when no call-time rule can fire: the fast path of every call.
 
@@ -581,6 +627,26 @@ def call_is_quiet(reentrant: bool, inputs: tuple, grad_enabled: bool) -> bool:
                 return True
         return False  # CKG006 needs a look at the parameters
     return True
+
+
+def rng_states() -> tuple:
+    """The CPU generator's state, and each CUDA device's once CUDA is in use (CKG107 compares them).
+
+    Reading a CUDA generator's state reads its seed and offset on the host: no
+    synchronisation.  Not while a CUDA graph is being captured (torch's own
+    ``preserve_rng_state=False`` path reads nothing there either), and other
+    accelerators' generators are not read.
+    """
+    cpu = torch.get_rng_state()
+    if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+        return (cpu,)
+    return (cpu, *torch.cuda.get_rng_state_all())
+
+
+def drew_random(before: tuple) -> bool:
+    """Whether any generator read by :func:`rng_states` moved since ``before``."""
+    now = rng_states()
+    return len(now) != len(before) or not all(torch.equal(was, is_) for was, is_ in zip(before, now))
 
 
 def clear_caches() -> None:

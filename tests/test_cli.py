@@ -59,13 +59,17 @@ def assert_one_line_usage_error(result: subprocess.CompletedProcess, *needles: s
 # --------------------------------------------------------------------------
 # the matrix (two subprocess runs in all)
 
-def expected_rows() -> list:
-    """(rule id, name, variant) per matrix row on this torch, from the table.
+def expected_rows(device: str = "cpu") -> list:
+    """(rule id, name, variant) per matrix row on this torch and device, from the table.
 
-    A rule whose claim does not hold here has no row; a safe composition this
-    torch refuses is a row of the rule that covers it (``otherwise``).
+    A rule whose claim does not hold here has no row, nor one that needs a GPU
+    on the CPU; a safe composition this torch refuses is a row of the rule that
+    covers it (``otherwise``).
     """
-    rows = [(r.id, r.title, v) for r in RULES if r.holds_on(HERE) for v in r.variants]
+    rows = [
+        (r.id, r.title, v) for r in RULES if r.holds_on(HERE) and (device != "cpu" or not r.needs_gpu)
+        for v in r.variants
+    ]
     for c in SAFE_COMPOSITIONS:
         if c.holds_on(HERE):
             rows += [("-", c.name, v) for v in c.variants]
@@ -74,7 +78,7 @@ def expected_rows() -> list:
     return rows
 
 
-ROWS_PER_DEVICE = len(expected_rows())
+ROWS = len(expected_rows()) + (len(expected_rows("cuda")) if torch.cuda.is_available() else 0)
 
 
 def test_matrix_text_agrees_on_this_torch(tmp_path):
@@ -95,7 +99,7 @@ def test_matrix_text_agrees_on_this_torch(tmp_path):
     assert "STALE" not in out and "✗" not in out
     assert "agree with the table" in " ".join(out.split("\n\n")[-1].split())  # the verdict, wrapped
     # progress goes to stderr, one line per row
-    n = ROWS_PER_DEVICE * (2 if torch.cuda.is_available() else 1)
+    n = ROWS
     assert f"[1/{n}] " in result.stderr and f"[{n}/{n}] " in result.stderr
     # fitted to an 80-column terminal: every line fits, the cut cells end in "…"
     lines = [line for line in format_matrix_lines(out, width=80) if line]
@@ -107,13 +111,14 @@ def test_matrix_text_agrees_on_this_torch(tmp_path):
 def format_matrix_lines(wide_text: str, width: int) -> list:
     """Re-render the rows of a full matrix run at ``width`` (the same rows, no second run)."""
     rows = [
-        _matrix.Row(kind="rule" if r != "-" else "safe", rule_id=r, name=n, variant=v, device="cpu",
+        _matrix.Row(kind="rule" if r != "-" else "safe", rule_id=r, name=n, variant=v, device=device,
                     expected="", raw=raw, strict=st, strict_equal_raw=None, fallback=fb,
                     fallback_ran=ran, fallback_saving=saving)
-        for r, n, v, raw, st, fb, ran, saving in _parse_matrix_table(wide_text)
+        for r, n, v, device, raw, st, fb, ran, saving in _parse_matrix_table(wide_text)
     ]
+    cuda = any(row.device == "cuda" for row in rows)
     head = {"interception": "working: " + "x" * 120, "ckpt_guard": ckpt_guard.__version__,
-            "torch": torch.__version__, "python": "3", "cuda_used": False, "cuda_device": None}
+            "torch": torch.__version__, "python": "3", "cuda_used": cuda, "cuda_device": "GPU" if cuda else None}
     from ckpt_guard._cli import format_matrix
 
     return format_matrix(head, rows, width=width).splitlines()
@@ -123,16 +128,21 @@ def _parse_matrix_table(text: str) -> list:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("rule "))
     header = lines[start]
-    columns = [header.index(name) for name in ("rule", "variant", "torch without guard", "strict", "fallback ",
-                                               "fallback ran", "agrees", "composition")]
+    names = ["rule", "variant", "device", "torch without guard", "strict", "fallback ", "fallback ran", "agrees",
+             "composition"]
+    if " device " not in header:  # the device column is there when CUDA rows are
+        names.remove("device")
+    columns = [header.index(name) for name in names]
     parsed = []
     for line in lines[start + 2:]:
         if not line.strip():
             break
-        cells = [line[a:b].strip() for a, b in zip(columns, columns[1:] + [len(line)])]
-        fallback = {"✓": "ok"}.get(cells[4], "raises (by design)" if "design" in cells[4] else cells[4])
-        ran, _, saving = cells[5].partition(", saving ")
-        parsed.append((cells[0], cells[7], cells[1], cells[2], cells[3], fallback, ran, saving))
+        cells = dict(zip(names, (line[a:b].strip() for a, b in zip(columns, columns[1:] + [len(line)]))))
+        fallback = {"✓": "ok"}.get(cells["fallback "], "raises (by design)" if "design" in cells["fallback "]
+                                   else cells["fallback "])
+        ran, _, saving = cells["fallback ran"].partition(", saving ")
+        parsed.append((cells["rule"], cells["composition"], cells["variant"], cells.get("device", "cpu"),
+                       cells["torch without guard"], cells["strict"], fallback, ran, saving))
     return parsed
 
 
@@ -149,7 +159,8 @@ def test_matrix_json(tmp_path):
     assert got == sorted(expected_rows())
     assert data["header"]["interception"].startswith("working: ")
     left_out = [line.split(":")[0] for line in data["header"]["not_on_this_torch"]]
-    assert left_out == [r.id for r in RULES if not r.holds_on(HERE)] + [
+    needs_gpu = [] if torch.cuda.is_available() else [r.id for r in RULES if r.needs_gpu]
+    assert left_out == [r.id for r in RULES if not r.holds_on(HERE)] + needs_gpu + [
         c.name for c in SAFE_COMPOSITIONS if not c.holds_on(HERE)
     ]
     for row in data["rows"]:

@@ -22,6 +22,7 @@ covers it there (``Composition.otherwise``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import warnings
@@ -39,14 +40,34 @@ from ckpt_guard._versions import installed
 HERE = installed()
 
 
+def _on_gpu(probe):
+    """A GPU rule's probe as the matrix runs it: inside ``with torch.device("cuda")``."""
+
+    @functools.wraps(probe)
+    def on_gpu(ckpt, use_reentrant):
+        with torch.device("cuda"):
+            return probe(ckpt, use_reentrant)
+
+    return on_gpu
+
+
+def _skip_reason(rule):
+    if not rule.holds_on(HERE):
+        return f"{rule.id}'s claim holds on torch {rule.torch_range}, not on the installed {torch.__version__}"
+    if rule.needs_gpu and not torch.cuda.is_available():
+        return (
+            f"{rule.id} needs a GPU (its symptom needs a default device other than the CPU); "
+            "on a GPU machine these tests and python -m ckpt_guard measure it"
+        )
+    return ""
+
+
 def _cases():
     """(rule, variant, probe) for every rule case on the installed torch; others skipped, saying why."""
     cases = [
         pytest.param(
-            rule, variant, rule.probe, id=f"{rule.id}-{variant}",
-            marks=() if rule.holds_on(HERE) else pytest.mark.skip(
-                reason=f"{rule.id}'s claim holds on torch {rule.torch_range}, not on the installed {torch.__version__}"
-            ),
+            rule, variant, _on_gpu(rule.probe) if rule.needs_gpu else rule.probe, id=f"{rule.id}-{variant}",
+            marks=pytest.mark.skip(reason=_skip_reason(rule)) if _skip_reason(rule) else (),
         )
         for rule in RULES
         for variant in rule.variants
@@ -99,7 +120,7 @@ def test_strict_raises_this_rule(rule, variant, probe):
     assert isinstance(info.value, RuntimeError)
     message = str(info.value)
     assert f"[{rule.id}]" in message and rule.title in message
-    probe_file = os.path.basename(probe.__code__.co_filename)
+    probe_file = os.path.basename(getattr(probe, "__wrapped__", probe).__code__.co_filename)
     assert "checkpoint called at: " in message and f"{probe_file}:" in message  # the probe's line
     assert "without the guard torch" in message
     # hints are written for the channel that set the policy: here a ckpt_guard.policy() scope
