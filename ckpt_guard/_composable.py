@@ -218,6 +218,19 @@ def _named_tensors(module: torch.nn.Module) -> List[Tuple[str, Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
+def _recompute_of(plan: Plan, tensors: Sequence[Tensor]) -> Tuple[List[int], Callable[..., Tuple[Tensor, ...]]]:
+    """The slots of the differentiable inputs, and the block as a function of those alone."""
+    wanted = [i for i, t in enumerate(tensors) if _differentiable_dtype(t)]
+
+    def recompute(*differentiable: Tensor) -> Tuple[Tensor, ...]:
+        full = list(tensors)
+        for i, t in zip(wanted, differentiable):
+            full[i] = t
+        return tuple(o for o in plan.pure(full) if _differentiable_dtype(o))
+
+    return wanted, recompute
+
+
 class _Recompute(torch.autograd.Function):
     """The composable checkpoint: forward without activations, backward and jvp by recomputing."""
 
@@ -247,13 +260,7 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan: Plan = ctx.plan
         tensors = ctx.saved_tensors
-        wanted = [i for i, t in enumerate(tensors) if _differentiable_dtype(t)]
-
-        def recompute(*differentiable: Tensor) -> Tuple[Tensor, ...]:
-            full = list(tensors)
-            for i, t in zip(wanted, differentiable):
-                full[i] = t
-            return tuple(o for o in plan.pure(full) if _differentiable_dtype(o))
+        wanted, recompute = _recompute_of(plan, tensors)
 
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
 
@@ -289,13 +296,7 @@ class _Recompute(torch.autograd.Function):
     def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan: Plan = ctx.plan
         tensors = ctx.saved_tensors
-        wanted = [i for i, t in enumerate(tensors) if _differentiable_dtype(t)]
-
-        def recompute(*differentiable: Tensor) -> Tuple[Tensor, ...]:
-            full = list(tensors)
-            for i, t in zip(wanted, differentiable):
-                full[i] = t
-            return tuple(o for o in plan.pure(full) if _differentiable_dtype(o))
+        wanted, recompute = _recompute_of(plan, tensors)
 
         primals = tuple(tensors[i] for i in wanted)
         directions = tuple(
