@@ -219,7 +219,6 @@ def _probe_vmap_pure(ckpt, use_reentrant):
 
 def _probe_functionalize(ckpt, use_reentrant):
     """``torch.func.functionalize`` over a checkpointed function that mutates a temporary."""
-    import torch
     from torch.func import functionalize
 
     block, x = _pure_block()

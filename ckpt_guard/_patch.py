@@ -50,7 +50,7 @@ import pathlib
 import sys
 import threading
 import warnings
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List
 
 from . import _config, _layouts, _versions
 

@@ -40,7 +40,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch._C._functorch import (

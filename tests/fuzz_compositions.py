@@ -21,7 +21,7 @@ import functools
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.autograd.forward_ad as fwAD

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 import ckpt_guard
 from ckpt_guard._rules import rule_by_id
 from ckpt_guard._versions import installed
-from fuzz_compositions import Comp, Outcome, all_close, all_equal, compositions, raw_crashes, run
+from fuzz_compositions import Comp, all_close, all_equal, compositions, raw_crashes, run
 
 
 def _holds(rule_id: str) -> bool:

@@ -10,7 +10,6 @@ check real decisions end to end.
 from __future__ import annotations
 
 import importlib.metadata
-import textwrap
 
 import pytest
 

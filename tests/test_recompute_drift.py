@@ -208,8 +208,8 @@ def test_backward_inside_functional_call_is_quiet():
     model = TinyTransformer(use_reentrant=False, depth=1)
     x = torch.randn(2, 5, 8)
     results = []
-    for installed in (False, True):
-        if not installed:
+    for with_guard in (False, True):
+        if not with_guard:
             ckpt_guard.uninstall()
         else:
             ckpt_guard.install("strict")
