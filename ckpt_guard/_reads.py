@@ -191,3 +191,21 @@ def trainable_tensors(function: Any) -> Iterator[Tensor]:
         if module.training:
             yield from module.parameters()
     yield from found.tensors
+
+
+def held_tensors(function: Any) -> Iterator[Tensor]:
+    """Every tensor ``function`` may read besides its arguments.
+
+    Its modules' parameters, buffers and plain tensor attributes, in training
+    or eval mode, and the tensors it holds.  Forward-mode AD (CKG008) asks
+    this: torch's recipe for forward AD with modules puts a dual tensor on a
+    module with ``setattr`` (a plain attribute, not a parameter), and a module
+    in eval mode is differentiated forward as often as one in training.
+    """
+    found = reads_of(function)
+    for module in found.modules:
+        for owner in module.modules():
+            for value in (*owner._parameters.values(), *owner._buffers.values(), *vars(owner).values()):
+                if isinstance(value, Tensor):
+                    yield value
+    yield from found.tensors

@@ -167,6 +167,21 @@ def _probe_forward_ad(ckpt, use_reentrant):
     return [primal, jvp]
 
 
+def _probe_forward_ad_held(ckpt, use_reentrant):
+    """Forward-mode AD over the weights: the block holds a dual tensor, its input is plain."""
+    import torch
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    w, x, tangent = torch.randn(3, 3), torch.randn(4, 3), torch.randn(3, 3)
+    with fwAD.dual_level():
+        dual_w = fwAD.make_dual(w, tangent)
+        out = ckpt(lambda u: torch.tanh(u @ dual_w), x, **_variant_kwargs(use_reentrant))
+        primal, jvp = fwAD.unpack_dual(out)
+    # no tangent means a zero one: that is what a caller reading it gets
+    return [primal, torch.zeros_like(primal) if jvp is None else jvp]
+
+
 def _probe_hooks_disabled(ckpt, use_reentrant):
     """A training step inside ``disable_saved_tensors_hooks`` (as some libraries do)."""
     import torch
@@ -319,7 +334,7 @@ _CALL_RULES = [
         variants=(REENTRANT,),
         trigger=(
             "checkpoint(use_reentrant=True, or not passed) inside torch.autograd.forward_ad.dual_level "
-            "with a dual tensor among the inputs or the parameters"
+            "with a dual tensor among its inputs (dual tensors only inside the block: CKG008)"
         ),
         symptom=(
             "raises NotImplementedError: You must implement the jvp function for custom "
@@ -341,7 +356,7 @@ _CALL_RULES = [
             "fallback runs use_reentrant=False from 2.12, without checkpointing before (CKG007)"
         ),
         probe=_probe_forward_ad,
-        applies=lambda s: s.reentrant and s.forward_ad_active and s.dual_inputs,
+        applies=lambda s: s.reentrant and s.forward_ad_active and s.dual_args,
     ),
     Rule(
         id="CKG005",
@@ -445,6 +460,41 @@ _CALL_RULES = [
         torch_range=TorchRange(until=(2, 12)),
         probe=_probe_vmap_forward,
         applies=lambda s: not s.reentrant and (bool(s.transform_names & _FORWARD_TRANSFORMS) or s.dual_args),
+    ),
+    Rule(
+        id="CKG008",
+        title="reentrant checkpoint under forward-mode AD over tensors the block holds: the tangent is dropped",
+        stage="call",
+        variants=(REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=True, or not passed) inside torch.autograd.forward_ad.dual_level, "
+            "no input is a dual tensor, and a tensor the block reads besides them is: a parameter, "
+            "buffer or tensor attribute of its modules (torch's forward-AD-with-modules recipe sets "
+            "dual weights with setattr; functional_call with dual parameters) or a tensor it closes over"
+        ),
+        symptom=(
+            "silently drops the block's part of the JVP: the checkpoint's output has no tangent "
+            "(unpack_dual(out).tangent is None), because reentrant checkpoint is an "
+            "autograd.Function, whose output tangent comes only from its inputs' tangents; a model "
+            "around it returns a tangent with the block's contribution missing, and no error"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            f"{_FIX_NR}: the non-reentrant variant carries those tangents on every supported torch, "
+            "or pass the dual tensors to the block as inputs (then CKG004 applies)"
+        ),
+        fallback="runs it with use_reentrant=False (correct, keeps the memory saving)",
+        refs=(
+            "https://github.com/pytorch/pytorch/pull/64061",
+            "https://github.com/pytorch/pytorch/issues/129293",
+        ),
+        torch_note=(
+            "an autograd.Function's output tangent comes from its jvp over its inputs' tangents "
+            "(pytorch#64061); CheckpointFunction has none and takes only the explicit inputs"
+        ),
+        probe=_probe_forward_ad_held,
+        measured_on=("2.4.1", "2.5.0", "2.8.0", "2.13.0", "2.14.1", "2.15.0"),
+        applies=lambda s: s.reentrant and s.forward_ad_active and not s.dual_args and s.dual_held,
     ),
 ]
 

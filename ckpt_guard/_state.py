@@ -536,8 +536,8 @@ class CallState:
     grad_enabled: bool
     forward_ad_active: bool
     # both only looked at outside torch.func transforms (CKG002 / CKG007 decide there)
-    dual_args: bool  # a dual tensor among the tensor inputs
-    dual_inputs: bool  # ... or among the parameters inside the function
+    dual_args: bool  # a dual tensor among the tensor inputs (CKG004, CKG007)
+    dual_held: bool  # ... among the tensors the function reads besides them (CKG008)
     saved_tensor_hooks_enabled: bool
     inputs_require_grad: bool
     params_require_grad: bool
@@ -561,7 +561,7 @@ def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState
         grad_enabled=is_grad_enabled(),
         forward_ad_active=forward_ad_active,
         dual_args=dual_args,
-        dual_inputs=dual_args or (look_for_duals and any(_is_dual(p) for p in params)),
+        dual_held=look_for_duals and any(_is_dual(t) for t in _reads.held_tensors(function)),
         saved_tensor_hooks_enabled=saved_tensor_hooks_enabled(),
         inputs_require_grad=any(requires_grad_anywhere(t) for t in tensors),
         params_require_grad=any(requires_grad_anywhere(p) for p in params),
