@@ -18,10 +18,16 @@ gradient would be silently zero.  So the modules the block reads (see
 ``_reads``) have their parameters and buffers *lifted*: passed as inputs and
 bound in the recompute through the reparametrization ``functional_call`` uses
 (after a ``functional_call`` swap ended, the recompute still reads the
-swapped-in tensors).  Tensors bound by ``functools.partial`` are inputs too.
-A block that holds any other tensor needing a gradient (a closure's, a
-global's), or an object the walk cannot look into, is not recomputed here:
-:func:`plan` says why, and the caller falls back to running it plainly.
+swapped-in tensors).  Tensors bound by ``functools.partial`` are inputs too,
+and so are tensors the function holds in its own closure cells
+(``grad(lambda w: ... checkpoint(lambda t: t @ w, x))``): each such cell is
+pointed at the input while the block runs, and back after.  A closure tensor
+is lifted when it needs a gradient or belongs to a torch.func level (a
+batched tensor under vmap): the block runs below those levels and must not
+read it directly.  A block that holds such a tensor anywhere else (a global,
+a default argument, inside a list), or an object the walk cannot look into,
+is not recomputed here: :func:`plan` says why, and the caller falls back to
+running it plainly.
 
 The backward is *non-differentiable* (recompute and vjp under ``no_grad``: the
 recomputed activations are freed at once) only where nothing can
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -83,10 +90,12 @@ class Plan:
 
     def __init__(
         self, function: Callable[..., Any], args: tuple, kwargs: dict, modules: List[torch.nn.Module],
-        context_fn: Any, preserve_rng_state: bool, differentiable: bool,
+        context_fn: Any, preserve_rng_state: bool, differentiable: bool, cells: Sequence[Any] = (),
     ) -> None:
         self.function = function
         self.modules = modules
+        #: closure cells of ``function`` whose tensors are lifted (see the module docstring)
+        self.cells = list(cells)
         # every module's parameters and buffers by name, then the call's tensors
         self.names = [
             [name for name, _ in _named_tensors(module)] for module in modules
@@ -95,6 +104,7 @@ class Plan:
         leaves, self.call_spec = _pytree.tree_flatten((args, kwargs))
         self.tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         self.leaves = leaves
+        lifted += [cell.cell_contents for cell in self.cells]
         self.inputs: Tuple[Tensor, ...] = (*lifted, *(leaves[i] for i in self.tensor_slots))
         self.n_lifted = len(lifted)
         self.context_fn = context_fn
@@ -128,6 +138,8 @@ class Plan:
                 mapping = dict(zip(names, lifted[position: position + len(names)]))
                 position += len(names)
                 stack.enter_context(torch.nn.utils.stateless._reparametrize_module(module, mapping))
+            for cell, tensor in zip(self.cells, lifted[position:]):
+                stack.enter_context(_pointed_at(cell, tensor))
             return self.function(*args, **kwargs)
 
     def flat_outputs(self, output: Any) -> Tuple[Tensor, ...]:
@@ -212,6 +224,37 @@ def _plain_nested_checkpoints() -> Any:
         yield
     finally:
         _config.pop_scope(token)
+
+
+@contextlib.contextmanager
+def _pointed_at(cell: Any, tensor: Tensor) -> Any:
+    """A closure cell holding ``tensor`` while the block runs (its own tensor again after)."""
+    held = cell.cell_contents
+    cell.cell_contents = tensor
+    try:
+        yield
+    finally:
+        cell.cell_contents = held
+
+
+def _cells_holding(function: Any, tensors: Sequence[Tensor]) -> Optional[List[Any]]:
+    """The closure cells of ``function`` that hold ``tensors``, or None if one is held elsewhere."""
+    code_owner = function.__func__ if isinstance(function, types.MethodType) else function
+    cells = getattr(code_owner, "__closure__", None) or ()
+    found = []
+    for tensor in tensors:
+        holding = [cell for cell in cells if _cell_holds(cell, tensor)]
+        if not holding:
+            return None
+        found.extend(holding)
+    return found
+
+
+def _cell_holds(cell: Any, tensor: Tensor) -> bool:
+    try:
+        return cell.cell_contents is tensor
+    except ValueError:  # an empty cell
+        return False
 
 
 def _named_tensors(module: torch.nn.Module) -> List[Tuple[str, Tensor]]:
@@ -343,15 +386,21 @@ def plan(
         kwargs = {**function.keywords, **kwargs}
         function = function.func
     bound = {id(leaf) for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)}
-    for tensor in reads.tensors:
-        if id(tensor) not in bound and _state.requires_grad_anywhere(tensor):
-            return (
-                "it captures a tensor that requires grad (in a closure, a default argument or a "
-                "global): it cannot be passed as an input, so its gradient would be lost"
-            )
+    captured = [
+        tensor for tensor in reads.tensors
+        if id(tensor) not in bound
+        and (_state.requires_grad_anywhere(tensor) or _state.is_functorch_wrapped_tensor(tensor))
+    ]
+    cells = _cells_holding(function, captured) if captured else []
+    if cells is None:
+        return (
+            "it holds a tensor that requires grad or belongs to a torch.func transform somewhere "
+            "other than its own closure (a global, a default argument, inside a list): it cannot "
+            "be passed as an input, so its gradient would be lost"
+        )
     modules = _top_level(list(reads.modules))
     # preserve_rng_state=False would let the recompute draw other numbers (CKG107): the safe choice
-    built = Plan(function, args, kwargs, modules, context_fn, True, differentiable=True)
+    built = Plan(function, args, kwargs, modules, context_fn, True, differentiable=True, cells=cells)
     built.differentiable = _may_be_differentiated_again(built.inputs)
     return built
 

@@ -14,11 +14,16 @@ the function:
   bound there is read as is) — transformers checkpoints
   ``partial(layer.__call__, **kwargs)`` and, in 5.x, ``partial(forward, self, ...)``;
 * what a function holds in its closure cells or default arguments, or names
-  as globals (one level deep; ``checkpoint(block_fn, x)`` where ``block_fn``
-  uses a module-level ``model``), and modules or tensors inside a list, tuple
-  or dict held there
-  (``checkpoint_sequential`` closes over a list of modules): a module found
-  there may be used only in part.
+  as globals (``checkpoint(block_fn, x)`` where ``block_fn`` uses a
+  module-level ``model``), and modules or tensors inside a list, tuple or dict
+  held there (``checkpoint_sequential`` closes over a list of modules): a
+  module found there may be used only in part;
+* the functions, partials and methods a function holds that way, walked the
+  same way, up to :data:`MAX_DEPTH` hops (a block built by a helper,
+  ``lambda t: inner(t)`` where ``inner`` closes over the layer; a
+  ``functools.wraps`` decorator's wrapper): deeper than that, the walk says
+  it could not see.  Functions of torch and the standard library are not
+  walked (they hold no module of the user's).
 
 Anything else a function holds that may hide a module (an instance of the
 user's own class, a callable object, a method of a non-module) is not looked
@@ -95,7 +100,21 @@ _PLAIN = (
     types.FunctionType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
 )
 # Objects of these libraries hold no module of the user's (types.SimpleNamespace can: not listed).
-_LIBRARY_ROOTS = frozenset({"builtins", "torch", "typing", "enum", "math"})
+_LIBRARY_ROOTS = frozenset({
+    "builtins", "torch", "typing", "enum", "math", "logging", "warnings", "functools",
+    "itertools", "operator", "collections", "contextlib", "threading", "re", "os", "sys",
+    "abc", "dataclasses", "inspect", "weakref", "numbers", "copy",
+})
+#: How many function hops the walk follows from the checkpointed function
+#: (a lambda calling a helper that calls another is two).
+MAX_DEPTH = 4
+
+
+def _walkable(value: Any) -> bool:
+    """A function, partial or bound method a held value may hide a module behind."""
+    if isinstance(value, types.FunctionType):
+        return (getattr(value, "__module__", None) or "").split(".")[0] not in _LIBRARY_ROOTS
+    return isinstance(value, functools.partial) or type(value) is MethodType
 
 
 def _opaque(value: Any) -> bool:
@@ -106,8 +125,8 @@ def _opaque(value: Any) -> bool:
 
 
 def _held(value: Any) -> Tuple[List[Any], bool]:
-    """``(modules and tensors, opaque?)`` for a value a closure cell or a global holds."""
-    if isinstance(value, (Module, Tensor)):
+    """``(modules, tensors and functions to walk, opaque?)`` for a value a closure cell or a global holds."""
+    if isinstance(value, (Module, Tensor)) or _walkable(value):
         return [value], False
     if isinstance(value, (list, tuple)):
         items: Any = value
@@ -143,11 +162,11 @@ def reads_of(function: Any) -> Reads:
     partial: List[Module] = []
     tensors: List[Tensor] = []
     unseen = False
-    # (object, run whole?, look into its closure?)
-    todo: List[Tuple[Any, bool, bool]] = [(function, True, True)]
+    # (object, run whole?, look into its closure?, function hops from ``function``)
+    todo: List[Tuple[Any, bool, bool, int]] = [(function, True, True, 0)]
     seen = set()
     while todo:
-        obj, run_whole, closure_too = todo.pop()
+        obj, run_whole, closure_too, depth = todo.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
@@ -158,21 +177,27 @@ def reads_of(function: Any) -> Reads:
                 tensors.append(obj)
             elif isinstance(obj, functools.partial):
                 # the function runs as its own; what is bound may be used only in part
-                todo.append((obj.func, run_whole, True))
-                todo.extend((o, False, False) for o in (*obj.args, *obj.keywords.values()))
+                todo.append((obj.func, run_whole, True, depth))
+                todo.extend((o, False, False, depth) for o in (*obj.args, *obj.keywords.values()))
             elif type(obj) is MethodType:
                 owner = obj.__self__
                 if isinstance(owner, Module):
                     name = _attribute(obj.__func__, "__name__")
-                    todo.append((owner, run_whole and name in _CALL_METHODS, False))
+                    todo.append((owner, run_whole and name in _CALL_METHODS, False, depth))
                 else:  # a method of the user's object: what the object holds is unseen
                     unseen = unseen or _opaque(owner)
-                    todo.append((obj.__func__, False, closure_too))
+                    todo.append((obj.__func__, False, closure_too, depth))
             elif closure_too and isinstance(obj, types.FunctionType):
                 for value in _referenced(obj):
                     found, opaque = _held(value)
                     unseen = unseen or opaque
-                    todo.extend((v, False, False) for v in found)
+                    for v in found:
+                        if isinstance(v, (Module, Tensor)):
+                            todo.append((v, False, False, depth))
+                        elif depth < MAX_DEPTH:  # a function it holds: walked as it is
+                            todo.append((v, False, True, depth + 1))
+                        else:
+                            unseen = True
             elif closure_too:  # a callable object of the user's: it may hold anything
                 unseen = unseen or _opaque(obj)
         except Exception:  # noqa: BLE001 - never raise into the user's call

@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp,
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_guard
-from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning, _composable
 from ckpt_guard._decide import COMPOSABLE_ACTION
 
 pytestmark = pytest.mark.usefixtures("guard")
@@ -96,16 +96,89 @@ def test_public_checkpoint_vmap_forward_then_backward_outside():
 
 
 def test_public_checkpoint_refuses_what_it_cannot_recompute():
-    """A closure over a tensor that is being differentiated: its gradient would be lost (zero)."""
+    """A tensor being differentiated, held in a list: it cannot be lifted, its gradient would be lost."""
     w = torch.randn(3)
+    x = torch.randn(4, 3)
 
     def loss(weight):
-        return ckpt_guard.checkpoint(lambda t: (t * weight).sin(), torch.randn(4, 3)).sum()
+        held = [weight]
+        return ckpt_guard.checkpoint(lambda t: (t * held[0]).sin(), x).sum()
 
     with pytest.raises(CheckpointCompositionError) as info:
         grad(loss)(w)
     assert info.value.rule.id == "CKG001"
-    assert "could not use its composable recompute here: it captures a tensor that requires grad" in str(info.value)
+    assert (
+        "could not use its composable recompute here: it holds a tensor that requires grad or belongs "
+        "to a torch.func transform somewhere other than its own closure"
+    ) in str(info.value)
+
+
+_W = torch.randn(3, 3)
+_X = torch.randn(4, 3)
+_BATCH = torch.randn(5)
+
+
+def _closure_loss(checkpointed: bool):
+    """A JAX-style loss: the block closes over the weight being differentiated."""
+
+    def loss(w):
+        def block(t):
+            return torch.tanh(t @ w)
+
+        out = ckpt_guard.checkpoint(block, _X) if checkpointed else block(_X)
+        return out.pow(2).sum()
+
+    return loss
+
+
+def _scaled_loss(checkpointed: bool):
+    """The block closes over a per-sample scale (batched under vmap, never differentiated)."""
+
+    def loss(x, scale):
+        def block(t):
+            return torch.tanh(t @ _W) * scale
+
+        return (ckpt_guard.checkpoint(block, x) if checkpointed else block(x)).sum()
+
+    return loss
+
+
+_CLOSURE_TRANSFORMS = {
+    "grad": lambda loss: grad(loss)(_W),
+    "jacrev": lambda loss: jacrev(loss)(_W),
+    "hessian": lambda loss: hessian(loss)(_W),
+    "vmap(grad)": lambda loss: vmap(grad(loss))(torch.stack([_W, 2 * _W])),
+    "jvp": lambda loss: jvp(loss, (_W,), (torch.ones(3, 3),))[1],
+}
+
+
+@pytest.mark.parametrize("name", list(_CLOSURE_TRANSFORMS))
+def test_closure_tensors_are_lifted(name):
+    """The tensor a closure holds is an input of the recompute: its gradient is the reference's."""
+    transform = _CLOSURE_TRANSFORMS[name]
+    reference = transform(_closure_loss(False))
+    before = _composable.RECOMPUTES
+    torch.testing.assert_close(transform(_closure_loss(True)), reference)
+    if name != "jvp":  # reverse mode differentiated the block: by recomputing it
+        assert _composable.RECOMPUTES > before
+
+
+def test_batched_closure_tensor_under_vmap_grad():
+    """Before, a batched tensor a closure held tripped an internal assert in torch (wrapper == nullptr)."""
+    reference = vmap(grad(_scaled_loss(False)), in_dims=(None, 0))(_X, _BATCH)
+    got = vmap(grad(_scaled_loss(True)), in_dims=(None, 0))(_X, _BATCH)
+    torch.testing.assert_close(got, reference)
+
+
+def test_closure_cell_is_restored():
+    """The cell points at the recompute's tensor only while the block runs."""
+    w = torch.randn(3, 3)
+
+    def block(t):
+        return torch.tanh(t @ w)
+
+    grad(lambda v: ckpt_guard.checkpoint(block, v).sum())(_X)
+    assert block.__closure__[0].cell_contents is w
 
 
 # --------------------------------------------------------------------------
@@ -376,3 +449,83 @@ def test_fallback_under_grad_keeps_most_of_the_memory_saving():
     base = memory.measure("mlp grad", "no checkpoint", "medium")
     fallback = memory.measure("mlp grad", "fallback", "medium")
     assert fallback["peak_mb"] <= 0.6 * base["peak_mb"], (fallback, base)
+
+
+# --------------------------------------------------------------------------
+# blocks that reach their layer through functions they hold
+
+
+def _wrapped(fn):
+    """A functools.wraps decorator (a NaN check, a timer): the block is its wrapper."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class _HelperBuilt(torch.nn.Module):
+    """Its checkpointed block is built by helpers: the layer sits two function hops away."""
+
+    def __init__(self, shape: str, checkpointed=None) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+        self.checkpointed = checkpointed
+        layer = self.layer
+        if shape == "helper":
+            def inner(t):
+                return torch.tanh(layer(t))
+
+            self.block = lambda t: inner(t) * 2
+        else:
+            self.block = _wrapped(lambda t: torch.tanh(layer(t)))
+
+    def forward(self, x):
+        return self.checkpointed(self.block, x) if self.checkpointed else self.block(x)
+
+
+@pytest.mark.parametrize("shape", ["helper", "decorator"])
+@pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
+def test_layers_behind_held_functions_are_lifted(shape, how):
+    """Before, the layer was not found: zero gradients under grad, an internal assert under vmap(grad)."""
+    torch.manual_seed(0)
+    if how == "fallback":
+        run = functools.partial(checkpoint, use_reentrant=False)
+    else:
+        run = ckpt_guard.checkpoint
+    model, plain = _HelperBuilt(shape, run), _HelperBuilt(shape)
+    plain.load_state_dict(model.state_dict())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    xs = torch.randn(3, 4)
+
+    def per_sample(net):
+        return vmap(grad(lambda p, x: functional_call(net, p, (x[None],)).pow(2).sum()), in_dims=(None, 0))(params, xs)
+
+    def batch(net):
+        return grad(lambda p: functional_call(net, p, (xs,)).pow(2).sum())(params)
+
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = [per_sample(model), batch(model)]
+    reference = [per_sample(plain), batch(plain)]
+    for g, r in zip(got, reference):
+        assert all(v.abs().sum() > 0 for v in r.values())
+        torch.testing.assert_close(g, r)
+
+
+def test_functions_deeper_than_the_walk_are_unseen():
+    """Past MAX_DEPTH hops the walk gives up and says so: the composable recompute is not used."""
+    from ckpt_guard import _reads
+
+    layer = torch.nn.Linear(4, 4)
+
+    def innermost(t):
+        return layer(t)
+
+    chain = innermost
+    for _ in range(_reads.MAX_DEPTH + 1):
+        chain = (lambda f: lambda t: f(t))(chain)
+    assert _reads.reads_of(chain).unseen and not _reads.reads_of(chain).modules
+    shallow = (lambda f: lambda t: f(t))(innermost)
+    assert not _reads.reads_of(shallow).unseen and _reads.reads_of(shallow).partial == (layer,)

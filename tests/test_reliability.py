@@ -62,12 +62,13 @@ def test_ckg006_sees_a_trainable_tensor_bound_by_partial(binding):
 
 def test_fallback_without_checkpointing_keeps_the_users_forward_context():
     """An autocast context_fn: bfloat16 under raw torch, and still when fallback runs the block plainly."""
-    w = torch.randn(8, 8, requires_grad=True)
+    # held in a list, the trainable weight cannot be lifted into the composable recompute
+    held = [torch.randn(8, 8, requires_grad=True)]
     x = torch.randn(4, 8, requires_grad=True)
     seen = []
 
     def block(u):
-        out = u @ w
+        out = u @ held[0]
         seen.append(out.dtype)
         return out
 
