@@ -137,7 +137,7 @@ class Plan:
             for module, names in zip(self.modules, self.names):
                 mapping = dict(zip(names, lifted[position: position + len(names)]))
                 position += len(names)
-                stack.enter_context(torch.nn.utils.stateless._reparametrize_module(module, mapping))
+                stack.enter_context(torch.nn.utils.stateless._reparametrize_module(module, mapping, tie_weights=True))
             for cell, tensor in zip(self.cells, lifted[position:]):
                 stack.enter_context(_pointed_at(cell, tensor))
             return self.function(*args, **kwargs)
@@ -261,9 +261,16 @@ def _named_tensors(module: torch.nn.Module) -> List[Tuple[str, Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def _recompute_of(plan: Plan, tensors: Sequence[Tensor]) -> Tuple[List[int], Callable[..., Tuple[Tensor, ...]]]:
-    """The slots of the differentiable inputs, and the block as a function of those alone."""
-    wanted = [i for i, t in enumerate(tensors) if _differentiable_dtype(t)]
+def _recompute_of(
+    plan: Plan, tensors: Sequence[Tensor], needed: Sequence[bool],
+) -> Tuple[List[int], Callable[..., Tuple[Tensor, ...]]]:
+    """The slots of the inputs to differentiate, and the block as a function of those alone.
+
+    ``needed`` says which inputs autograd wants a gradient (or a tangent) for:
+    a buffer such as BatchNorm's ``running_mean`` is an input too, and some
+    operations cannot be differentiated with respect to it.
+    """
+    wanted = [i for i, t in enumerate(tensors) if needed[i] and _differentiable_dtype(t)]
 
     def recompute(*differentiable: Tensor) -> Tuple[Tensor, ...]:
         full = list(tensors)
@@ -287,7 +294,11 @@ class _Recompute(torch.autograd.Function):
             forward_context, plan.recompute_context = plan.context_fn()
         device_context = contextlib.nullcontext() if plan.default_device is None else torch.device(plan.default_device)
         with torch.no_grad(), device_context, forward_context, _plain_nested_checkpoints():
-            return plan.flat_outputs(plan.call(tensors))
+            outputs = plan.flat_outputs(plan.call(tensors))
+        # An input returned as is (a mask passed through) cannot also be saved for backward by a
+        # Function with setup_context: return a copy of it instead (as large as that input).
+        inputs = {id(t) for t in tensors}
+        return tuple(o.clone() if id(o) in inputs else o for o in outputs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -303,7 +314,9 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan: Plan = ctx.plan
         tensors = ctx.saved_tensors
-        wanted, recompute = _recompute_of(plan, tensors)
+        wanted, recompute = _recompute_of(plan, tensors, ctx.needs_input_grad[1:])
+        if not wanted:
+            return (None,) * (1 + len(tensors))
 
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
 
@@ -312,7 +325,11 @@ class _Recompute(torch.autograd.Function):
             # call (a vjp pullback run after its level exited trips over unused inputs when
             # nested in another transform, e.g. grad(vjp(f)))
             outputs = recompute(*differentiable)
-            terms = [(o * c).sum() for o, c in zip(outputs, cotangents) if c is not None]
+            # Re<o, c> (c conjugated for a complex output): torch's vjp convention, a real scalar
+            terms = [
+                (o * c.conj()).real.sum() if o.is_complex() else (o * c).sum()
+                for o, c in zip(outputs, cotangents) if c is not None
+            ]
             return functools.reduce(torch.add, terms) if terms else outputs[0].sum() * 0
 
         primals = tuple(tensors[i] for i in wanted)
@@ -339,12 +356,12 @@ class _Recompute(torch.autograd.Function):
     def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan: Plan = ctx.plan
         tensors = ctx.saved_tensors
-        wanted, recompute = _recompute_of(plan, tensors)
+        wanted, recompute = _recompute_of(plan, tensors, [t is not None for t in tangents])
+        if not wanted:
+            return tuple(None for _ in plan.differentiable_outputs())
 
         primals = tuple(tensors[i] for i in wanted)
-        directions = tuple(
-            torch.zeros_like(tensors[i]) if tangents[i] is None else tangents[i] for i in wanted
-        )
+        directions = tuple(tangents[i] for i in wanted)
         with plan.replay():
             _, output_tangents = torch.func.jvp(recompute, primals, directions)
         it = iter(output_tangents)

@@ -529,3 +529,110 @@ def test_functions_deeper_than_the_walk_are_unseen():
     assert _reads.reads_of(chain).unseen and not _reads.reads_of(chain).modules
     shallow = (lambda f: lambda t: f(t))(innermost)
     assert not _reads.reads_of(shallow).unseen and _reads.reads_of(shallow).partial == (layer,)
+
+
+class _TiedLM(torch.nn.Module):
+    """Embedding and output layer share one weight, the body checkpointed."""
+
+    def __init__(self, checkpointed=None) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.checkpointed = checkpointed
+
+    def body(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+    def forward(self, ids):
+        return self.checkpointed(self.body, ids) if self.checkpointed else self.body(ids)
+
+
+@pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
+def test_tied_weights_get_both_shares_of_the_gradient(how):
+    """Before, the second alias read the original tensor: its share of the gradient was lost."""
+    torch.manual_seed(0)
+    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    model, plain = _TiedLM(run), _TiedLM()
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 10, (5,))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    assert list(params) == ["emb.weight"]
+
+    def grads(net):
+        return grad(lambda p: functional_call(net, p, (ids,)).logsumexp(-1).sum())(params)
+
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = grads(model)
+    torch.testing.assert_close(got, grads(plain))
+
+
+def _per_sample_grads(net, params, xs, *extra):
+    def loss(p, x):
+        return functional_call(net, p, (x[None], *extra)).pow(2).sum()
+
+    return vmap(grad(loss), in_dims=(None, 0))(params, xs)
+
+
+class _FrozenNormNet(torch.nn.Module):
+    """Linear + BatchNorm in eval mode (frozen statistics, as DP-SGD fine-tuning does)."""
+
+    def __init__(self, checkpointed=None) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Tanh())
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        return self.checkpointed(self.block, x) if self.checkpointed else self.block(x)
+
+
+@pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
+def test_eval_batchnorm_buffers_are_not_differentiated(how):
+    """Before: 'native_batch_norm' is not differentiable with respect to argument 'running_mean'."""
+    torch.manual_seed(0)
+    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    model, plain = _FrozenNormNet(run), _FrozenNormNet()
+    with torch.no_grad():
+        model.block[1].running_mean.uniform_(-1, 1)
+        model.block[1].running_var.uniform_(0.5, 2)
+    plain.load_state_dict(model.state_dict())
+    model.eval(), plain.eval()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    xs = torch.randn(3, 4)
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = _per_sample_grads(model, params, xs)
+    torch.testing.assert_close(got, _per_sample_grads(plain, params, xs))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
+def test_an_input_returned_as_is(how, mask_dtype):
+    """A block that passes its mask through: before, torch refused ('returned as-is as output')."""
+    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    x, mask = torch.randn(3, 4), torch.ones(3, 4, dtype=mask_dtype)
+
+    def block(h, m):
+        return torch.tanh(h) * m, m
+
+    def loss(h, checkpointed):
+        out, m = run(block, h, mask) if checkpointed else block(h, mask)
+        return (out * m).sum()
+
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = grad(lambda h: loss(h, True))(x)
+    torch.testing.assert_close(got, grad(lambda h: loss(h, False))(x))
+
+
+def test_complex_output_differentiated_twice():
+    """Before: 'grad can be implicitly created only for real scalar outputs' (a complex <o, c>)."""
+    x = torch.randn(3, 4)
+
+    def inner(checkpointed):
+        block = (lambda t: ckpt_guard.checkpoint(torch.fft.fft, t)) if checkpointed else torch.fft.fft
+        return lambda t: block(t).abs().pow(2).sum()
+
+    got = grad(lambda h: grad(inner(True))(h).pow(2).sum())(x)
+    torch.testing.assert_close(got, grad(lambda h: grad(inner(False))(h).pow(2).sum())(x))
