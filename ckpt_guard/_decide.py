@@ -943,14 +943,30 @@ def composable_instead(
     return built
 
 
+def _swapped_parameters(function: Any) -> bool:
+    """Whether a module ``function`` reads holds a parameter that is not an ``nn.Parameter`` (swapped in)."""
+    return any(
+        store == "_parameters" and not isinstance(tensor, _Parameter)
+        for _, _, store, _, tensor in _reads.reads_of(function).named_module_tensors()
+    )
+
+
+_Parameter = _torch.nn.Parameter
+
+
 def public_checkpoint(
     function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool,
 ) -> Any:
     """``ckpt_guard.checkpoint``: torch's non-reentrant checkpoint, or the composable recompute.
 
     Outside torch.func transforms (and forward-mode AD): torch's own
-    ``checkpoint(use_reentrant=False)`` (guarded as any call, if installed).
-    Under a transform: the composable recompute, where it is correct.
+    ``checkpoint(use_reentrant=False)`` (guarded as any call, if installed),
+    unless a module the block reads holds a parameter that is not an
+    ``nn.Parameter`` (a ``functional_call`` swap is active, as in MAML's outer
+    loss): torch's recompute would run after the swap ended and read the
+    module's own parameters (CKG101), the composable one binds what the
+    forward read.  Under a transform: the composable recompute, where it is
+    correct.
     Elsewhere the rule that explains why is applied under the policy in force:
     the scope's, else the installed one, else the environment's (default
     strict), whether or not the guard is installed.
@@ -958,7 +974,8 @@ def public_checkpoint(
     options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if context_fn is not None:
         options["context_fn"] = context_fn
-    if _peek_interpreter_stack() is None and _forward_ad._current_level < 0:
+    eager = _peek_interpreter_stack() is None and _forward_ad._current_level < 0
+    if eager and not _swapped_parameters(function):
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     config = _scoped_config() or (_config._installed if _config._installed.active else None)
     if config is None:
@@ -971,6 +988,8 @@ def public_checkpoint(
             _check_composable_recompute, function, False, config, capture(function), forward_site
         )
         return _composable.run(built)
+    if eager:  # torch's checkpoint, guarded as any call (CKG101 if the recompute would read other tensors)
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     try:
         outcome = decide_call(False, function, args, config)  # strict raises the rule's explanation
     except CheckpointCompositionError as exc:

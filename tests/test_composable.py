@@ -8,6 +8,7 @@ subprocess (``benchmarks/memory.py``), not timed here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -636,3 +637,55 @@ def test_complex_output_differentiated_twice():
 
     got = grad(lambda h: grad(inner(True))(h).pow(2).sum())(x)
     torch.testing.assert_close(got, grad(lambda h: grad(inner(False))(h).pow(2).sum())(x))
+
+
+class _MetaNet(torch.nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.b1 = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh())
+        self.b2 = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.out = torch.nn.Linear(16, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        for block in (self.b1, self.b2):
+            x = ckpt_guard.checkpoint(block, x) if self.checkpointed else block(x)
+        return self.out(x)
+
+
+def _meta_gradients(checkpointed: bool):
+    """MAML: two inner steps under torch.func.grad, the outer loss on the adapted weights, .backward()."""
+    torch.manual_seed(0)
+    net = _MetaNet(checkpointed)
+    xs, ys, xq, yq = torch.randn(8, 4), torch.randn(8, 1), torch.randn(8, 4), torch.randn(8, 1)
+    fast = dict(net.named_parameters())
+    for _ in range(2):
+        g = grad(lambda p: ((functional_call(net, p, (xs,)) - ys) ** 2).mean())(fast)
+        fast = {k: fast[k] - 0.1 * g[k] for k in fast}
+    ((functional_call(net, fast, (xq,)) - yq) ** 2).mean().backward()
+    return {k: v.grad for k, v in net.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", [None, "strict"])
+def test_public_checkpoint_in_mamls_outer_loss(policy):
+    """Outside transforms, under a functional_call swap: before, torch's recompute ran after the
+    swap ended, on the module's own weights (silently wrong without install, CKG101 under strict)."""
+    reference = _meta_gradients(False)
+    ckpt_guard.uninstall()
+    with (ckpt_guard.policy(policy) if policy else contextlib.nullcontext()):
+        got = _meta_gradients(True)
+    torch.testing.assert_close(got, reference)
+
+
+def test_public_checkpoint_without_a_swap_is_torchs():
+    """No swap, no transform: torch's own non-reentrant checkpoint runs (bitwise), not the recompute here."""
+    block = _block()
+    x = torch.randn(4, 3, requires_grad=True)
+    before = _composable.RECOMPUTES
+    ckpt_guard.checkpoint(block, x).pow(2).sum().backward()
+    got = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
+    assert _composable.RECOMPUTES == before
+    x.grad = None
+    block.zero_grad(set_to_none=True)
+    checkpoint(block, x, use_reentrant=False).pow(2).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(got, [x.grad, *(p.grad for p in block.parameters())]))
