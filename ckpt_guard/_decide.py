@@ -40,6 +40,9 @@ _DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
 PROCEED = "proceed"  # run torch's checkpoint as asked
 NON_REENTRANT_INSTEAD = "non-reentrant"  # fallback: use_reentrant=False instead
 NO_CHECKPOINT = "no-checkpoint"  # fallback: run the function without checkpointing
+#: a call-time rule explains this composition, and the user switched it off: torch's
+#: checkpoint as asked, and no drift rule's call-time risk stands in for it
+RULE_OFF = "rule-off"
 
 _SEVERITY = _config.SEVERITY
 _is_grad_enabled = _state.is_grad_enabled
@@ -323,7 +326,7 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     state = _state.read_call_state(reentrant, function, args)
     firing = _firing(state, config)
     if not firing:
-        return PROCEED
+        return RULE_OFF if applying_rules(state) else PROCEED
     rule, policy = _deciding(firing)
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
@@ -531,6 +534,7 @@ def prepare_call(
     if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
     grad = _is_grad_enabled()
+    may_anticipate = config.may_fall_back
     # Inlined call_is_quiet for the usual non-reentrant call with grad on.
     if (
         reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled()
@@ -540,12 +544,14 @@ def prepare_call(
             if _fx_tracing():  # torch.fx.symbolic_trace: Proxies, tracing, not training
                 return STEP_ASIDE
             outcome = decide_call(reentrant, function, args[first_input:], config)
-            if outcome != PROCEED:
+            if outcome == RULE_OFF:  # torch as asked: no drift risk stands in for the rule
+                may_anticipate = False
+            elif outcome != PROCEED:
                 return outcome
         if not grad:
             return STEP_ASIDE  # nothing will be recomputed
     forward_state = capture(function)
-    if config.may_fall_back and risk_visible(forward_state):
+    if may_anticipate and risk_visible(forward_state):
         if anticipate(config, forward_state, reentrant, function) != PROCEED:
             return NO_CHECKPOINT
     modes_managed = (
@@ -900,8 +906,8 @@ def composable_instead(
         if policy != "fallback" or _non_reentrant_will_do(state, config, function):
             return None
     else:
-        if not grad:
-            return None  # nothing will be recomputed
+        if not grad or (state is not None and applying_rules(state)):
+            return None  # nothing will be recomputed, or the user switched off the rule for this
         rule = _anticipated_rule(config, capture(function))
         if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
             return None

@@ -419,3 +419,20 @@ def test_a_huge_bad_configuration_value_is_not_echoed_in_full(kind):
     assert len(str(info.value)) < 600, len(str(info.value))
     assert "(1000002 characters)" in str(info.value) or "characters)" in str(info.value)
 
+
+
+def test_a_rule_switched_off_is_torch_not_another_rules_risk():
+    """fallback with CKG001 off: before, CKG104's call-time risk stood in for it, with a message
+    that described another error and "fixes" that led back to torch's error.  Now: torch as asked."""
+    from ckpt_guard._rules import rule_by_id
+    from ckpt_guard._versions import installed
+
+    rule = rule_by_id("CKG001")
+    if not rule.holds_on(installed()):
+        pytest.skip(f"CKG001 does not hold on torch {torch.__version__}")
+    with ckpt_guard.policy("fallback", rules={"CKG001": "off"}), ckpt_guard.record() as events:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            with pytest.raises(RuntimeError, match=rule.raises_match):
+                torch.func.grad(lambda t: checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
+    assert events == []
