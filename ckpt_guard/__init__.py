@@ -114,6 +114,16 @@ def checkpoint(
     why applies, under the policy in force (default ``strict``: it raises).
     ``context_fn`` and ``preserve_rng_state`` are torch's checkpoint options.
     """
+    import torch
+
+    if torch.compiler.is_compiling():
+        # Dynamo turns torch's checkpoint into its own higher-order op; it cannot trace the
+        # guard's checks (the functorch interpreter stack, frames), and needs none: it
+        # refuses to compile under torch.func transforms anyway.
+        options = {} if context_fn is None else {"context_fn": context_fn}
+        return torch.utils.checkpoint.checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
+        )
     from . import _decide
 
     return _decide.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -441,7 +442,28 @@ def _may_be_differentiated_again(inputs: Sequence[Tensor]) -> bool:
 
 
 def run(built: Plan) -> Any:
-    """Run the block as a composable checkpoint; returns what the function returns."""
+    """Run the block as a composable checkpoint; returns what the function returns.
+
+    Never traced by dynamo: a compiled function called under a torch.func
+    transform runs in dynamo's frame-by-frame mode, which would compile the
+    recompute's frames (and the block's, with its closure cells pointed at
+    the lifted inputs) and fail there.  ``torch.compile`` of code outside
+    transforms never gets here (``ckpt_guard.checkpoint`` hands it torch's
+    checkpoint).  Only where dynamo is loaded: importing it costs a second.
+    """
+    global _run_uncompiled
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return _run(built)
+    if _run_uncompiled is None:
+        _run_uncompiled = dynamo.disable(_run, recursive=True)
+    return _run_uncompiled(built)
+
+
+_run_uncompiled: Any = None
+
+
+def _run(built: Plan) -> Any:
     outputs = _Recompute.apply(built, *built.inputs)
     return built.rebuild(outputs)
 

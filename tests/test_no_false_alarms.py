@@ -527,3 +527,39 @@ def test_another_threads_compilation_does_not_switch_the_guard_off(strict_guard)
     finally:
         torch_compiler._is_compiling_flag = previous
     assert info.value.rule.id == "CKG001"
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["not-installed", "installed"])
+def test_public_checkpoint_compiles_fullgraph_like_torchs(fresh_dynamo, installed):
+    """``ckpt_guard.checkpoint`` in a compiled model: one graph, the same gradients as torch's
+    checkpoint, bit for bit (before: dynamo could not trace the guard's checks)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def grads(run):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        x = torch.randn(4, 8)
+        torch._dynamo.reset()
+        torch.compile(lambda t: run(block, t).sum(), backend="aot_eager", fullgraph=True)(x).backward()
+        return [p.grad for p in block.parameters()]
+
+    reference = grads(lambda b, t: checkpoint(b, t, use_reentrant=False))
+    if not installed:
+        ckpt_guard.uninstall()
+    with ckpt_guard.record() as events:
+        got = grads(ckpt_guard.checkpoint)
+    assert events == []
+    assert all(torch.equal(g, r) for g, r in zip(got, reference))
+
+
+def test_public_checkpoint_in_a_compiled_function_under_grad(fresh_dynamo):
+    """``grad(torch.compile(f))``: dynamo runs f frame by frame; the composable recompute is not traced
+    (before: dynamo compiled its frames and failed, "Expected CellVariable")."""
+    x = torch.randn(3, 4)
+    w = torch.randn(4, 4)
+
+    def f(weight):
+        return ckpt_guard.checkpoint(lambda t: torch.tanh(t @ weight), x).sum()
+
+    got = torch.func.grad(torch.compile(f, backend="aot_eager"))(w)
+    torch.testing.assert_close(got, torch.func.grad(lambda v: torch.tanh(x @ v).sum())(w))
