@@ -112,8 +112,19 @@ def checkpoint(
     buffers included).  Where neither is correct (the block captures a tensor
     that needs a gradient, a user mode is active, ...) the rule that explains
     why applies, under the policy in force (default ``strict``: it raises).
-    ``context_fn`` and ``preserve_rng_state`` are torch's checkpoint options.
+    ``context_fn`` and ``preserve_rng_state`` are torch's checkpoint options;
+    so are the other keywords torch's checkpoint takes for itself on the
+    installed release (``determinism_check``, ``debug``, ...): they go to
+    torch's checkpoint where it runs, never to ``function``.
+    ``use_reentrant=False`` is accepted (it is what this is); ``True`` is an error.
     """
+    use_reentrant = kwargs.pop("use_reentrant", None)
+    if use_reentrant:
+        raise ValueError(
+            f"ckpt_guard.checkpoint(..., use_reentrant={use_reentrant!r}): it is torch's non-reentrant "
+            "checkpoint (or a recompute that composes with torch.func); pass use_reentrant=False or "
+            "leave it out, or call torch.utils.checkpoint.checkpoint for the reentrant variant"
+        )
     import torch
 
     if torch.compiler.is_compiling():

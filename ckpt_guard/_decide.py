@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import inspect
 import os
 import sys
 import sysconfig
@@ -958,6 +959,11 @@ def _swapped_parameters(function: Any) -> bool:
 
 
 _Parameter = _torch.nn.Parameter
+#: keywords torch's checkpoint takes for itself on this release (the rest go to the function)
+_TORCH_OPTIONS = frozenset(
+    name for name, parameter in inspect.signature(_torch_checkpoint.checkpoint).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY
+)
 
 
 def public_checkpoint(
@@ -986,7 +992,9 @@ def public_checkpoint(
     config = _scoped_config() or (_config._installed if _config._installed.active else None)
     if config is None:
         config = _config.build_config(None, None, read_env=True)
-    built = _composable.plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
+    # torch's own options (determinism_check, debug, ...) are for torch's checkpoint, not the block
+    block_kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
+    built = _composable.plan(function, args, block_kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
     if not isinstance(built, str):
         site_frame, _ = user_frame(sys._getframe(1))
         forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
@@ -1004,5 +1012,5 @@ def public_checkpoint(
         ) from None
     if outcome == NO_CHECKPOINT:  # fallback: plainly, inside the user's forward context
         with forward_context_of(context_fn) or contextlib.nullcontext():
-            return function(*args, **kwargs)
+            return function(*args, **block_kwargs)
     return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)

@@ -689,3 +689,29 @@ def test_public_checkpoint_without_a_swap_is_torchs():
     block.zero_grad(set_to_none=True)
     checkpoint(block, x, use_reentrant=False).pow(2).sum().backward()
     assert all(torch.equal(a, b) for a, b in zip(got, [x.grad, *(p.grad for p in block.parameters())]))
+
+
+@pytest.mark.parametrize("where", ["eager", "under grad"])
+def test_public_checkpoint_takes_torchs_options_the_same_way_everywhere(where):
+    """use_reentrant=False and torch's own options are options in both paths, never the block's."""
+    block = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    seen = []
+
+    def run(t):
+        return ckpt_guard.checkpoint(
+            lambda u, scale: (seen.append(scale), block(u) * scale)[1], t, scale=2.0,
+            use_reentrant=False, determinism_check="none", debug=False,
+        ).sum()
+
+    if where == "eager":
+        x.requires_grad_()
+        run(x).backward()
+    else:
+        grad(run)(x)
+    assert seen and all(s == 2.0 for s in seen)
+
+
+def test_public_checkpoint_refuses_use_reentrant_true():
+    with pytest.raises(ValueError, match=r"use_reentrant=True\): it is torch's non-reentrant checkpoint"):
+        ckpt_guard.checkpoint(torch.sin, torch.randn(2), use_reentrant=True)
