@@ -715,3 +715,35 @@ def test_public_checkpoint_takes_torchs_options_the_same_way_everywhere(where):
 def test_public_checkpoint_refuses_use_reentrant_true():
     with pytest.raises(ValueError, match=r"use_reentrant=True\): it is torch's non-reentrant checkpoint"):
         ckpt_guard.checkpoint(torch.sin, torch.randn(2), use_reentrant=True)
+
+
+@pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
+def test_selective_checkpointing_context_fn_under_grad(how):
+    """SAC's op cache cannot line up with a functional recompute (before: "not found in storage"):
+    everything is recomputed instead, which its policy allows."""
+    import torch.utils.checkpoint as tuc
+
+    if not hasattr(tuc, "create_selective_checkpoint_contexts"):
+        pytest.skip(f"torch {torch.__version__} has no selective activation checkpointing")
+
+    def keep_matmuls(ctx, op, *args, **kwargs):
+        keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(tuc.create_selective_checkpoint_contexts, keep_matmuls)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 4)
+    params = {k: v.detach() for k, v in mlp.named_parameters()}
+    if how == "fallback":
+        run = functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn)
+    else:
+        run = functools.partial(ckpt_guard.checkpoint, context_fn=context_fn)
+
+    def loss(p, checkpointed):
+        return (functional_call(mlp, p, (x,)) if not checkpointed else run(lambda t: functional_call(mlp, p, (t,)), x)).pow(2).sum()
+
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = grad(lambda p: loss(p, True))(params)
+    torch.testing.assert_close(got, grad(lambda p: loss(p, False))(params))
