@@ -474,7 +474,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(target, run_name="__main__")
+            runpy.run_path(os.path.abspath(target), run_name="__main__")  # as python does, an absolute __file__
     except SystemExit:
         raise  # the program's own exit status, exactly as python would use it
     except BaseException as exc:  # noqa: BLE001 - report it as python would, from the program's code

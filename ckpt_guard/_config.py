@@ -120,7 +120,13 @@ def parse_rules_spec(spec: str, source: str) -> dict[str, str]:
                 f"with POLICY one of {', '.join(POLICIES)}"
             )
         known_id = _check_rule_id(rule_id, source)
-        overrides[known_id] = check_policy(policy_name, f"{source} (rule {known_id})")
+        policy = check_policy(policy_name, f"{source} (rule {known_id})")
+        if overrides.get(known_id, policy) != policy:
+            raise ValueError(
+                f"ckpt_guard: rule {known_id} is given two policies in {source}={shown(spec)}: "
+                f"{overrides[known_id]} and {policy}; give it one"
+            )
+        overrides[known_id] = policy
     return overrides
 
 
@@ -138,7 +144,13 @@ def check_rules(rules: object, source: str) -> dict[str, str]:
     checked = {}
     for rule_id, p in rules.items():
         known_id = _check_rule_id(rule_id, source)
-        checked[known_id] = check_policy(p, f"{source}[{known_id!r}]")
+        policy = check_policy(p, f"{source}[{known_id!r}]")
+        if checked.get(known_id, policy) != policy:
+            raise ValueError(
+                f"ckpt_guard: rule {known_id} is given two policies in {source} "
+                f"(keys that differ only in case): {checked[known_id]} and {policy}; give it one"
+            )
+        checked[known_id] = policy
     return checked
 
 

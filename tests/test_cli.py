@@ -343,6 +343,7 @@ SCRIPT = textwrap.dedent(
     print("argv", sys.argv)
     print("name", __name__)
     print("path0", sys.path[0])
+    print("file", __file__)
     import helper_next_to_script
     if sys.argv[1:2] == ["exit"]:
         sys.exit(int(sys.argv[2]))
@@ -370,6 +371,14 @@ def test_run_script_sees_argv_and_main(tmp_path, script):
     assert f"argv {[str(script), 'a', '--policy', 'b', '-h', '--json']!r}" in result.stdout
     assert "name __main__" in result.stdout
     assert f"path0 {script.parent}" in result.stdout  # the script's folder, as python does
+
+
+def test_run_relative_script_gets_an_absolute_file_as_python_gives_it(tmp_path, script):
+    relative = os.path.relpath(script, tmp_path)
+    plain = subprocess.run([sys.executable, relative, "x"], cwd=tmp_path, capture_output=True, text=True)
+    guarded = cli("run", relative, "x", cwd=tmp_path)
+    assert guarded.returncode == 0, guarded.stderr
+    assert f"file {script}" in plain.stdout and f"file {script}" in guarded.stdout
 
 
 def test_run_propagates_exit_status(tmp_path, script):

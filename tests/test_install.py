@@ -318,6 +318,8 @@ def test_argument_beats_environment(guard, monkeypatch):
         ({}, {"CKPT_GUARD_RULES": "NOPE=warn"}, r"unknown rule id 'NOPE' from environment variable CKPT_GUARD_RULES; valid rule ids"),
         ({}, {"CKPT_GUARD_RULES": "CKG002=loud"}, r"unknown policy 'loud' from environment variable CKPT_GUARD_RULES \(rule CKG002\)"),
         ({"rules": ["CKG001"]}, {}, r"argument 'rules' must be a mapping of rule id to policy"),
+        ({}, {"CKPT_GUARD_RULES": "CKG001=warn,ckg001=off"}, r"rule CKG001 is given two policies in environment variable CKPT_GUARD_RULES='CKG001=warn,ckg001=off': warn and off; give it one"),
+        ({"rules": {"CKG001": "warn", "ckg001": "off"}}, {}, r"rule CKG001 is given two policies in argument 'rules' \(keys that differ only in case\): warn and off"),
     ],
 )
 def test_configuration_errors(monkeypatch, kwargs, env, expected):
