@@ -25,11 +25,14 @@ the function:
   it could not see.  Functions of torch and the standard library are not
   walked (they hold no module of the user's).
 
-Anything else a function holds that may hide a module (an instance of the
-user's own class, a callable object, a method of a non-module) is not looked
-into: the walk says so (``Reads.unseen``), and every rule says how it treats
-what it cannot see.  Numbers, strings, functions, torch's own objects and
-the like cannot hide one.
+* an object of the user's own class (a callable object, the owner of a
+  method): its attributes (``__dict__``) as a closure's cells, and its
+  class's ``__call__``, within the same hop limit.
+
+An object without a ``__dict__`` (``__slots__``) or past the hop limit is not
+looked into: the walk says so (``Reads.unseen``), and every rule says how it
+treats what it cannot see.  Numbers, strings, torch's own objects and the
+like cannot hide a module.
 
 The walk never raises into the user's call: a callable whose attribute lookup
 raises (a ``__getattr__`` that raises ``KeyError``, say) is simply not looked
@@ -111,10 +114,10 @@ MAX_DEPTH = 4
 
 
 def _walkable(value: Any) -> bool:
-    """A function, partial or bound method a held value may hide a module behind."""
+    """A function, partial, bound method or object of the user's a held value may hide a module behind."""
     if isinstance(value, types.FunctionType):
         return (getattr(value, "__module__", None) or "").split(".")[0] not in _LIBRARY_ROOTS
-    return isinstance(value, functools.partial) or type(value) is MethodType
+    return isinstance(value, functools.partial) or type(value) is MethodType or _opaque(value)
 
 
 def _opaque(value: Any) -> bool:
@@ -184,25 +187,39 @@ def reads_of(function: Any) -> Reads:
                 if isinstance(owner, Module):
                     name = _attribute(obj.__func__, "__name__")
                     todo.append((owner, run_whole and name in _CALL_METHODS, False, depth))
-                else:  # a method of the user's object: what the object holds is unseen
-                    unseen = unseen or _opaque(owner)
+                else:  # a method of the user's object: what the object holds, and the method
+                    if _opaque(owner):
+                        todo.append((owner, False, True, depth))
                     todo.append((obj.__func__, False, closure_too, depth))
             elif closure_too and isinstance(obj, types.FunctionType):
-                for value in _referenced(obj):
-                    found, opaque = _held(value)
-                    unseen = unseen or opaque
-                    for v in found:
-                        if isinstance(v, (Module, Tensor)):
-                            todo.append((v, False, False, depth))
-                        elif depth < MAX_DEPTH:  # a function it holds: walked as it is
-                            todo.append((v, False, True, depth + 1))
-                        else:
-                            unseen = True
-            elif closure_too:  # a callable object of the user's: it may hold anything
-                unseen = unseen or _opaque(obj)
+                unseen = _walk_held(_referenced(obj), depth, todo) or unseen
+            elif closure_too and _opaque(obj):  # an object of the user's: its attributes, and its __call__
+                attributes = _attribute(obj, "__dict__")
+                if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
+                    unseen = True
+                    continue
+                call = _attribute(type(obj), "__call__")
+                held = [*attributes.values(), *([call] if isinstance(call, types.FunctionType) else [])]
+                unseen = _walk_held(held, depth, todo) or unseen
         except Exception:  # noqa: BLE001 - never raise into the user's call
             unseen = True
     return Reads(tuple(whole), tuple(partial), tuple(tensors), unseen)
+
+
+def _walk_held(values: Any, depth: int, todo: list) -> bool:
+    """Queue what ``values`` (a function's or an object's) hold; True if some of it cannot be seen."""
+    unseen = False
+    for value in values:
+        found, opaque = _held(value)
+        unseen = unseen or opaque
+        for v in found:
+            if isinstance(v, (Module, Tensor)):
+                todo.append((v, False, False, depth))
+            elif depth < MAX_DEPTH:  # a function or an object it holds: walked as it is
+                todo.append((v, False, True, depth + 1))
+            else:
+                unseen = True
+    return unseen
 
 
 def trainable_tensors(function: Any) -> Iterator[Tensor]:

@@ -571,7 +571,9 @@ def _probe_vmap_closure(ckpt, use_reentrant):
     import torch
     from torch.func import vmap
 
-    class Weights:  # an object the guard does not look into at call time
+    class Weights:  # an object the guard cannot look into at call time (no __dict__)
+        __slots__ = ("w",)
+
         def __init__(self):
             self.w = torch.randn(3, 3, requires_grad=True)
 

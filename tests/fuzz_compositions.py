@@ -51,7 +51,8 @@ class Comp:
     use_reentrant: Optional[bool] = False  # None: not passed
     entry: str = "direct"
     # "module" | "lambda" (captures the parent Net) | "dict" (the block in a dict the closure holds:
-    # seen) | "object" (the block in an object's attribute: out of the guard's sight)
+    # seen) | "namespace" (the block in an attribute of an object: seen) | "object" (the block in
+    # a __slots__ object's attribute: out of the guard's sight)
     fn_kind: str = "module"
     fcall: str = "none"  # functional_call: "none" | "all" (swap every parameter) | "head" (swap the head only)
     dual: bool = False  # forward-mode AD: the input is a dual tensor
@@ -70,6 +71,15 @@ class Comp:
 
 # --------------------------------------------------------------------------
 # user modes (module level: the guard compares mode classes)
+
+
+class _Slots:
+    """An object without a ``__dict__``: the guard cannot look into it."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block) -> None:
+        self.block = block
 
 
 class DoubleSinDispatch(TorchDispatchMode):
@@ -146,8 +156,11 @@ class Net(torch.nn.Module):
             elif comp.fn_kind == "dict":
                 holder = {"block": self.block}
                 fn = lambda t: holder["block"](t)  # noqa: E731 - a dict the closure holds: seen
+            elif comp.fn_kind == "namespace":
+                holder = types.SimpleNamespace(block=self.block)
+                fn = lambda t: holder.block(t)  # noqa: E731 - an object's attribute: seen
             elif comp.fn_kind == "object":
-                hidden = types.SimpleNamespace(block=self.block)
+                hidden = _Slots(self.block)
                 fn = lambda t: hidden.block(t)  # noqa: E731 - parameters out of the guard's sight
             else:
                 fn = self.block
@@ -340,7 +353,7 @@ def _pick(true_weight: int, false_weight: int):
 def compositions(draw) -> Comp:
     transforms = tuple(draw(st.lists(st.sampled_from(TRANSFORMS), max_size=3)))
     entry = draw(st.sampled_from(ENTRIES))
-    fn_kind = draw(st.sampled_from(("module", "module", "lambda", "dict", "object"))) if entry in ("direct", "bound", "partial") else "module"
+    fn_kind = draw(st.sampled_from(("module", "module", "lambda", "dict", "namespace", "object"))) if entry in ("direct", "bound", "partial") else "module"
     mode = draw(st.sampled_from(("none", "none", "none", "dispatch", "function")))
     do_backward = draw(_pick(3, 1))
     return Comp(

@@ -747,3 +747,45 @@ def test_selective_checkpointing_context_fn_under_grad(how):
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
         got = grad(lambda p: loss(p, True))(params)
     torch.testing.assert_close(got, grad(lambda p: loss(p, False))(params))
+
+
+class _Scaler:
+    """A callable object of the user's: a number, and a layer, in its attributes."""
+
+    def __init__(self, layer, k: float) -> None:
+        self.layer = layer
+        self.k = k
+
+    def __call__(self, t):
+        return torch.tanh(self.layer(t)) * self.k
+
+
+@pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
+def test_callable_objects_are_looked_into(how):
+    """Before, any object of the user's class was unseen: the composable recompute refused it
+    (strict raised CKG001; fallback ran it without checkpointing)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3)
+    scaler = _Scaler(layer, 2.0)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    xs = torch.randn(4, 3)
+    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+
+    def per_sample(checkpointed):
+        def loss(p, x):
+            return _with_params(layer, p, lambda: (run(scaler, x) if checkpointed else scaler(x)).sum())
+
+        return vmap(grad(loss), in_dims=(None, 0))(params, xs)
+
+    before = _composable.RECOMPUTES
+    with ckpt_guard.policy("strict" if how == "ckpt_guard.checkpoint" else "fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = per_sample(True)
+    assert _composable.RECOMPUTES > before
+    torch.testing.assert_close(got, per_sample(False))
+
+
+def _with_params(module, params, thunk):
+    """Run ``thunk`` with ``module``'s parameters swapped for ``params`` (functional_call's swap)."""
+    with torch.nn.utils.stateless._reparametrize_module(module, params):
+        return thunk()

@@ -106,8 +106,12 @@ class _KeyErrorOnAttributes:
 
 @pytest.mark.parametrize("policy", ["strict", "warn", "fallback"])
 def test_a_callable_whose_getattr_raises_is_not_the_guards_problem(policy):
-    block = torch.nn.Linear(3, 3)
+    # frozen: the walk sees the Linear inside the object, and trainable it would make CKG006 fire
+    block = torch.nn.Linear(3, 3).requires_grad_(False)
     function = _KeyErrorOnAttributes(block)
+    from ckpt_guard import _reads
+
+    assert _reads.reads_of(function).partial == (block,) and not _reads.reads_of(function).unseen
     x = torch.randn(2, 3)  # no input requires grad: a non-quiet reentrant call
     with ckpt_guard.policy(policy):
         for use_reentrant in (True, False):
