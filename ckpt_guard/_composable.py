@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import types
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -139,6 +140,9 @@ class Plan:
                 mapping = dict(zip(names, lifted[position: position + len(names)]))
                 position += len(names)
                 stack.enter_context(torch.nn.utils.stateless._reparametrize_module(module, mapping, tie_weights=True))
+            if self.cells:
+                # a cell is the function's, not this thread's: one block at a time redirects cells
+                stack.enter_context(_CELL_LOCK)
             for cell, tensor in zip(self.cells, lifted[position:]):
                 stack.enter_context(_pointed_at(cell, tensor))
             return self.function(*args, **kwargs)
@@ -227,6 +231,12 @@ def _plain_nested_checkpoints() -> Any:
         yield
     finally:
         _config.pop_scope(token)
+
+
+#: Held while a block runs with its closure cells redirected (reentrant: a block may nest
+#: another one).  Another thread calling the same closure meanwhile waits rather than
+#: reading the other thread's tensors.
+_CELL_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -392,7 +402,7 @@ def plan(
     preserve_rng_state: bool = True,
 ) -> Union[Plan, str]:
     """A :class:`Plan` for this call, or why the composable recompute would be wrong here."""
-    reads = _reads.reads_of(function)
+    reads = _reads.reads_of(function).complete()
     if reads.unseen:
         return "it holds an object the guard does not look into, which may hide tensors needing a gradient"
     if _state.user_dispatch_modes() or _state.user_function_modes():
@@ -423,6 +433,16 @@ def plan(
             "other than its own closure (a global, a default argument, inside a list): it cannot "
             "be passed as an input, so its gradient would be lost"
         )
+    if cells:
+        # the cells are redirected while the block runs; any other path to those tensors is not
+        elsewhere = _reads.reads_of(function, skip_cells=frozenset(id(c) for c in cells)).complete()
+        lifted = {id(c.cell_contents) for c in cells}
+        if elsewhere.unseen or any(id(t) in lifted for t in elsewhere.tensors):
+            return (
+                "it reads a tensor that needs a gradient both through its own closure and another way "
+                "(a helper's closure, an object's attribute): only the closure could be redirected to "
+                "the recompute's input, so its gradient would be wrong"
+            )
     modules = _top_level(list(reads.modules))
     # preserve_rng_state=False would let the recompute draw other numbers (CKG107): the safe choice
     built = Plan(function, args, kwargs, modules, context_fn, True, differentiable=True, cells=cells)

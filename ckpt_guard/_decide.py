@@ -41,9 +41,9 @@ _DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
 PROCEED = "proceed"  # run torch's checkpoint as asked
 NON_REENTRANT_INSTEAD = "non-reentrant"  # fallback: use_reentrant=False instead
 NO_CHECKPOINT = "no-checkpoint"  # fallback: run the function without checkpointing
-#: a call-time rule explains this composition, and the user switched it off: torch's
+#: a call-time rule explains this composition, and its policy (warn or off) says: torch's
 #: checkpoint as asked, and no drift rule's call-time risk stands in for it
-RULE_OFF = "rule-off"
+AS_ASKED = "as-asked"
 
 _SEVERITY = _config.SEVERITY
 _is_grad_enabled = _state.is_grad_enabled
@@ -327,7 +327,7 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     state = _state.read_call_state(reentrant, function, args)
     firing = _firing(state, config)
     if not firing:
-        return RULE_OFF if applying_rules(state) else PROCEED
+        return AS_ASKED if applying_rules(state) else PROCEED
     rule, policy = _deciding(firing)
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
@@ -357,7 +357,7 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     _warn(build_message(
         rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also, **where,
     ), rule)
-    return outcome
+    return AS_ASKED if outcome == PROCEED else outcome
 
 
 def _non_reentrant_will_do(state: _state.CallState, config: _config.Config, function: Any) -> bool:
@@ -545,7 +545,7 @@ def prepare_call(
             if _fx_tracing():  # torch.fx.symbolic_trace: Proxies, tracing, not training
                 return STEP_ASIDE
             outcome = decide_call(reentrant, function, args[first_input:], config)
-            if outcome == RULE_OFF:  # torch as asked: no drift risk stands in for the rule
+            if outcome == AS_ASKED:  # torch as asked: no drift risk stands in for the rule
                 may_anticipate = False
             elif outcome != PROCEED:
                 return outcome
@@ -956,7 +956,7 @@ def _swapped_parameters(function: Any) -> bool:
     On every eager ``ckpt_guard.checkpoint`` call: about 4 µs for a transformer layer
     (``type(...) is`` first; ``isinstance`` on a Parameter goes through a metaclass).
     """
-    stack = list(_reads.reads_of(function).modules)
+    stack = list(_reads.reads_of(function).complete().modules)
     while stack:
         module = stack.pop()
         if module is None:
@@ -983,11 +983,12 @@ def public_checkpoint(
 
     Outside torch.func transforms (and forward-mode AD): torch's own
     ``checkpoint(use_reentrant=False)`` (guarded as any call, if installed),
-    unless a module the block reads holds a parameter that is not an
-    ``nn.Parameter`` (a ``functional_call`` swap is active, as in MAML's outer
-    loss): torch's recompute would run after the swap ended and read the
-    module's own parameters (CKG101), the composable one binds what the
-    forward read.  Under a transform: the composable recompute, where it is
+    unless a ``functional_call`` swap is active (as in MAML's outer loss):
+    torch's recompute would run after the swap ended and read the module's
+    own parameters (CKG101), the composable one binds what the forward read.
+    Installed, the guard tracks swaps; without it, a swap shows as a module
+    parameter that is not an ``nn.Parameter`` (one that swaps in another
+    model's ``nn.Parameter``\ s is not seen then).  Under a transform: the composable recompute, where it is
     correct.
     Elsewhere the rule that explains why is applied under the policy in force:
     the scope's, else the installed one, else the environment's (default
@@ -997,7 +998,8 @@ def public_checkpoint(
     if context_fn is not None:
         options["context_fn"] = context_fn
     eager = _peek_interpreter_stack() is None and _forward_ad._current_level < 0
-    if eager and not _swapped_parameters(function):
+    # a swap: seen by the guard's functional_call tracking when installed, else by its traces
+    if eager and not (_swapped_parameters(function) or _state.swapped_reads(function)):
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     config = _scoped_config() or (_config._installed if _config._installed.active else None)
     if config is None:

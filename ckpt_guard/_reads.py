@@ -18,21 +18,31 @@ the function:
   module-level ``model``), and modules or tensors inside a list, tuple or dict
   held there (``checkpoint_sequential`` closes over a list of modules): a
   module found there may be used only in part;
-* the functions, partials and methods a function holds that way, walked the
-  same way, up to :data:`MAX_DEPTH` hops (a block built by a helper,
-  ``lambda t: inner(t)`` where ``inner`` closes over the layer; a
-  ``functools.wraps`` decorator's wrapper): deeper than that, the walk says
-  it could not see.  Functions of torch and the standard library are not
-  walked (they hold no module of the user's).
+That is the *direct* view (``Reads.whole``, ``partial``, ``tensors``): what
+the call-time rules CKG003 / CKG006 and CKG108 count, so that a block is not
+blamed for a model it merely has a path to.  The *complete* view
+(:meth:`Reads.complete`) goes on from there:
 
-* an object of the user's own class (a callable object, the owner of a
-  method): its attributes (``__dict__``) as a closure's cells, and its
-  class's ``__call__``, within the same hop limit.
+* the functions, partials and methods held that way (a block built by a
+  helper, ``lambda t: inner(t)`` where ``inner`` closes over the layer; a
+  ``functools.wraps`` decorator's wrapper), walked the same way; functions
+  of torch and the standard library are not walked (they hold no module of
+  the user's);
+* objects of the user's own classes (a callable object, the owner of a
+  method): their attributes (``__dict__``) as a closure's cells, and their
+  class's ``__call__``.
 
-An object without a ``__dict__`` (``__slots__``) or past the hop limit is not
-looked into: the walk says so (``Reads.unseen``), and every rule says how it
-treats what it cannot see.  Numbers, strings, torch's own objects and the
-like cannot hide a module.
+The complete view is what the composable recompute lifts, CKG101 compares
+and CKG008 searches: there, missing a tensor is a wrong gradient and finding
+one too many costs nothing.  It stops after :data:`BUDGET` values looked at.
+
+An object without a ``__dict__`` (``__slots__``), or whatever is past the
+budget, is not looked into: the walk says so (``unseen``; in the direct view
+an object of the user's class counts as unseen too), and every rule says how
+it treats what it cannot see.  Numbers, strings, torch's own objects and the
+like cannot hide a module.  A function's globals are the names its code
+loads as globals (its nested code objects', comprehensions', included), not
+attribute names that happen to match one.
 
 The walk never raises into the user's call: a callable whose attribute lookup
 raises (a ``__getattr__`` that raises ``KeyError``, say) is simply not looked
@@ -41,6 +51,7 @@ into (``Reads.unseen``).
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 from dataclasses import dataclass
@@ -65,10 +76,18 @@ class Reads:
     partial: Tuple[Module, ...] = ()  # modules it may use only in part
     tensors: Tuple[Tensor, ...] = ()  # tensors captured or bound, read as they are
     unseen: bool = False  # something could not be looked into
+    # beyond the direct view: behind held functions and objects of the user's classes
+    deep: Tuple[Module, ...] = ()
+    deep_tensors: Tuple[Tensor, ...] = ()
+    deep_unseen: bool = False  # the complete walk could not see everything
 
     @property
     def modules(self) -> Tuple[Module, ...]:
         return self.whole + self.partial
+
+    def complete(self) -> "Reads":
+        """Everything found, direct or not, as one view (``unseen``: the complete walk's)."""
+        return Reads(self.whole, self.partial + self.deep, self.tensors + self.deep_tensors, self.deep_unseen)
 
     def named_module_tensors(self) -> Iterator[Tuple[str, Module, str, str, Tensor]]:
         """``(path, owner, store, name, tensor)`` for every parameter and buffer of the modules.
@@ -108,9 +127,10 @@ _LIBRARY_ROOTS = frozenset({
     "itertools", "operator", "collections", "contextlib", "threading", "re", "os", "sys",
     "abc", "dataclasses", "inspect", "weakref", "numbers", "copy",
 })
-#: How many function hops the walk follows from the checkpointed function
-#: (a lambda calling a helper that calls another is two).
-MAX_DEPTH = 4
+#: How many values the complete walk looks at before it gives up (and says so):
+#: a block that holds a million-element list, or an object with a huge
+#: ``__dict__``, costs a bounded walk, not a walk of all of it.
+BUDGET = 5000
 
 
 def _walkable(value: Any) -> bool:
@@ -127,25 +147,29 @@ def _opaque(value: Any) -> bool:
     return (type(value).__module__ or "").split(".")[0] not in _LIBRARY_ROOTS
 
 
-def _held(value: Any) -> Tuple[List[Any], bool]:
-    """``(modules, tensors and functions to walk, opaque?)`` for a value a closure cell or a global holds."""
+def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool]:
+    """``(modules, tensors and functions to walk, opaque?)`` for a value a closure cell or a global holds.
+
+    A list, tuple or dict longer than ``limit`` is not looked into (opaque).
+    """
     if isinstance(value, (Module, Tensor)) or _walkable(value):
         return [value], False
-    if isinstance(value, (list, tuple)):
-        items: Any = value
-    elif isinstance(value, dict):
-        items = list(value.values())
-    else:
-        return [], _opaque(value)
-    return [v for v in items if isinstance(v, (Module, Tensor))], False
+    if isinstance(value, (list, tuple, dict)):
+        if len(value) > limit:
+            return [], True
+        items: Any = value.values() if isinstance(value, dict) else value
+        return [v for v in items if isinstance(v, (Module, Tensor))], False
+    return [], _opaque(value)
 
 
-def _referenced(function: Any) -> Iterator[Any]:
-    """What a Python function holds: closure cells, default arguments, the globals its code names."""
+def _referenced(function: Any, skip_cells: frozenset = frozenset()) -> Iterator[Any]:
+    """What a Python function holds: closure cells (but ``skip_cells``), default arguments, its globals."""
     cells = _attribute(function, "__closure__")
     if cells is _BROKEN:
         raise LookupError("__closure__")
     for cell in cells or ():
+        if id(cell) in skip_cells:
+            continue
         try:
             yield cell.cell_contents
         except ValueError:  # an empty cell
@@ -154,71 +178,122 @@ def _referenced(function: Any) -> Iterator[Any]:
     yield from (_attribute(function, "__kwdefaults__") or {}).values()
     code, namespace = _attribute(function, "__code__"), _attribute(function, "__globals__")
     if isinstance(code, types.CodeType) and isinstance(namespace, dict):
-        for name in code.co_names:
+        for name in _global_names(code):
             if name in namespace:
                 yield namespace[name]
 
 
-def reads_of(function: Any) -> Reads:
-    """Walk ``function`` (see the module docstring); never raises."""
-    whole: List[Module] = []
-    partial: List[Module] = []
-    tensors: List[Tensor] = []
-    unseen = False
-    # (object, run whole?, look into its closure?, function hops from ``function``)
-    todo: List[Tuple[Any, bool, bool, int]] = [(function, True, True, 0)]
-    seen = set()
-    while todo:
-        obj, run_whole, closure_too, depth = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        try:
-            if isinstance(obj, Module):
-                (whole if run_whole else partial).append(obj)
-            elif isinstance(obj, Tensor):
-                tensors.append(obj)
-            elif isinstance(obj, functools.partial):
-                # the function runs as its own; what is bound may be used only in part
-                todo.append((obj.func, run_whole, True, depth))
-                todo.extend((o, False, False, depth) for o in (*obj.args, *obj.keywords.values()))
-            elif type(obj) is MethodType:
-                owner = obj.__self__
-                if isinstance(owner, Module):
-                    name = _attribute(obj.__func__, "__name__")
-                    todo.append((owner, run_whole and name in _CALL_METHODS, False, depth))
-                else:  # a method of the user's object: what the object holds, and the method
-                    if _opaque(owner):
-                        todo.append((owner, False, True, depth))
-                    todo.append((obj.__func__, False, closure_too, depth))
-            elif closure_too and isinstance(obj, types.FunctionType):
-                unseen = _walk_held(_referenced(obj), depth, todo) or unseen
-            elif closure_too and _opaque(obj):  # an object of the user's: its attributes, and its __call__
-                attributes = _attribute(obj, "__dict__")
-                if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
-                    unseen = True
-                    continue
-                call = _attribute(type(obj), "__call__")
-                held = [*attributes.values(), *([call] if isinstance(call, types.FunctionType) else [])]
-                unseen = _walk_held(held, depth, todo) or unseen
-        except Exception:  # noqa: BLE001 - never raise into the user's call
-            unseen = True
-    return Reads(tuple(whole), tuple(partial), tuple(tensors), unseen)
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+#: code object -> the names it loads as globals; bounded (generated code makes new ones forever)
+_global_names_of: dict = {}
 
 
-def _walk_held(values: Any, depth: int, todo: list) -> bool:
-    """Queue what ``values`` (a function's or an object's) hold; True if some of it cannot be seen."""
+def _global_names(code: types.CodeType) -> frozenset:
+    """The names ``code`` loads as globals, its nested code objects' (comprehensions) included."""
+    names = _global_names_of.get(code)
+    if names is None:
+        found = set()
+        todo = [code]
+        while todo:
+            current = todo.pop()
+            found.update(i.argval for i in dis.get_instructions(current) if i.opname in _GLOBAL_LOADS)
+            todo.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+        if len(_global_names_of) >= 1024:
+            _global_names_of.clear()
+        names = _global_names_of[code] = frozenset(found)
+    return names
+
+
+def clear_caches() -> None:
+    _global_names_of.clear()
+
+
+def reads_of(function: Any, skip_cells: frozenset = frozenset()) -> Reads:
+    """Walk ``function`` (see the module docstring); never raises.
+
+    ``skip_cells``: ids of closure cells not to look into, wherever met (the
+    composable recompute asks whether a tensor it lifts from a cell is also
+    reachable some other way; a cell shared by two closures is redirected for
+    both).
+    """
+    found: dict = {"whole": [], "partial": [], "tensors": [], "deep": [], "deep_tensors": []}
+    direct_unseen = deep_unseen = False
+    seen: set = set()
+    budget = [BUDGET]
+    # Two tiers: everything the direct view covers first, so that what it finds is
+    # counted as direct even if a deeper path reaches it too.
+    direct: List[Tuple[Any, bool, bool]] = [(function, True, True)]  # (object, run whole?, look into it?)
+    deeper: List[Tuple[Any, bool, bool]] = []
+    for is_deep, todo in ((False, direct), (True, deeper)):
+        while todo and budget[0] > 0:
+            obj, run_whole, look_into = todo.pop()
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            budget[0] -= 1
+            try:
+                if isinstance(obj, Module):
+                    found["deep" if is_deep else ("whole" if run_whole else "partial")].append(obj)
+                elif isinstance(obj, Tensor):
+                    found["deep_tensors" if is_deep else "tensors"].append(obj)
+                elif isinstance(obj, functools.partial):
+                    # the function runs as its own; what is bound may be used only in part
+                    todo.append((obj.func, run_whole, True))
+                    todo.extend((o, False, False) for o in (*obj.args, *obj.keywords.values()))
+                elif type(obj) is MethodType:
+                    owner = obj.__self__
+                    if isinstance(owner, Module):
+                        name = _attribute(obj.__func__, "__name__")
+                        todo.append((owner, run_whole and name in _CALL_METHODS, False))
+                    else:  # a method of the user's object: what the object holds, and the method
+                        if _opaque(owner):
+                            direct_unseen = direct_unseen or not is_deep
+                            deeper.append((owner, False, True))
+                        todo.append((obj.__func__, False, look_into))
+                elif look_into and isinstance(obj, types.FunctionType):
+                    held = _referenced(obj, skip_cells)
+                    unseen = _queue_held(held, todo, deeper, budget)
+                    deep_unseen = deep_unseen or unseen
+                    direct_unseen = direct_unseen or (unseen and not is_deep)
+                elif look_into and _opaque(obj):  # an object of the user's: its attributes, and its __call__
+                    direct_unseen = direct_unseen or not is_deep
+                    attributes = _attribute(obj, "__dict__")
+                    if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
+                        deep_unseen = True
+                        continue
+                    call = _attribute(type(obj), "__call__")
+                    held = [*attributes.values(), *([call] if isinstance(call, types.FunctionType) else [])]
+                    deep_unseen = _queue_held(held, deeper, deeper, budget) or deep_unseen
+            except Exception:  # noqa: BLE001 - never raise into the user's call
+                deep_unseen = True
+                direct_unseen = direct_unseen or not is_deep
+    if budget[0] <= 0 and (direct or deeper):
+        deep_unseen = True  # out of budget with things left to look at
+    return Reads(
+        tuple(found["whole"]), tuple(found["partial"]), tuple(found["tensors"]), direct_unseen or deep_unseen,
+        tuple(found["deep"]), tuple(found["deep_tensors"]), deep_unseen,
+    )
+
+
+def _queue_held(values: Any, todo: list, deeper: list, budget: list) -> bool:
+    """Queue what a function or an object holds; True if some of it cannot be seen.
+
+    Modules and tensors go on ``todo`` (the tier of the holder); functions and
+    objects of the user's on ``deeper`` (the complete view only).
+    """
     unseen = False
     for value in values:
-        found, opaque = _held(value)
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        found, opaque = _held(value, budget[0])
+        budget[0] -= len(value) if isinstance(value, (list, tuple, dict)) and not opaque else len(found)
         unseen = unseen or opaque
         for v in found:
             if isinstance(v, (Module, Tensor)):
-                todo.append((v, False, False, depth))
-            elif depth < MAX_DEPTH:  # a function or an object it holds: walked as it is
-                todo.append((v, False, True, depth + 1))
+                todo.append((v, False, False))
             else:
-                unseen = True
+                deeper.append((v, False, True))
     return unseen
 
 
@@ -244,7 +319,7 @@ def held_tensors(function: Any) -> Iterator[Tensor]:
     module with ``setattr`` (a plain attribute, not a parameter), and a module
     in eval mode is differentiated forward as often as one in training.
     """
-    found = reads_of(function)
+    found = reads_of(function).complete()
     for module in found.modules:
         for owner in module.modules():
             for value in (*owner._parameters.values(), *owner._buffers.values(), *vars(owner).values()):

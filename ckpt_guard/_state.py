@@ -305,7 +305,7 @@ def swapped_reads(function: object) -> object:
     changed = frozenset().union(*(token.changed for token in swaps))
     if not changed:  # every swap put the very same tensors in place
         return ()
-    found = _reads.reads_of(function)
+    found = _reads.reads_of(function).complete()
     reads = []
     at_risk = found.unseen
     for path, owner, store, name, tensor in found.named_module_tensors():
@@ -653,3 +653,4 @@ def clear_caches() -> None:
     """Forget what was learnt about classes (``uninstall()``: the guard holds nothing)."""
     _infrastructure_classes.clear()
     _mode_dependent_classes.clear()
+    _reads.clear_caches()

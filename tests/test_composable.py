@@ -515,8 +515,11 @@ def test_layers_behind_held_functions_are_lifted(shape, how):
         torch.testing.assert_close(g, r)
 
 
-def test_functions_deeper_than_the_walk_are_unseen():
-    """Past MAX_DEPTH hops the walk gives up and says so: the composable recompute is not used."""
+def test_long_helper_chains_are_walked_and_huge_holdings_are_bounded():
+    """A chain of pure helpers is walked to its end (nothing unseen); a block holding a huge
+    list stops the walk at its budget and says so."""
+    import time
+
     from ckpt_guard import _reads
 
     layer = torch.nn.Linear(4, 4)
@@ -525,11 +528,20 @@ def test_functions_deeper_than_the_walk_are_unseen():
         return layer(t)
 
     chain = innermost
-    for _ in range(_reads.MAX_DEPTH + 1):
+    for _ in range(10):
         chain = (lambda f: lambda t: f(t))(chain)
-    assert _reads.reads_of(chain).unseen and not _reads.reads_of(chain).modules
-    shallow = (lambda f: lambda t: f(t))(innermost)
-    assert not _reads.reads_of(shallow).unseen and _reads.reads_of(shallow).partial == (layer,)
+    found = _reads.reads_of(chain).complete()
+    assert not found.unseen and found.modules == (layer,)
+    assert _reads.reads_of(chain).modules == ()  # not in the direct view: the rules do not count it
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.items = list(range(1_000_000))
+    started = time.perf_counter()
+    found = _reads.reads_of(lambda t: holder.items and t).complete()
+    assert found.unseen and time.perf_counter() - started < 0.5
 
 
 class _TiedLM(torch.nn.Module):
@@ -789,3 +801,61 @@ def _with_params(module, params, thunk):
     """Run ``thunk`` with ``module``'s parameters swapped for ``params`` (functional_call's swap)."""
     with torch.nn.utils.stateless._reparametrize_module(module, params):
         return thunk()
+
+
+def _make_helper(weight):
+    def helper(t):
+        return t @ weight
+
+    return helper
+
+
+class _Box:
+    pass
+
+
+@pytest.mark.parametrize("other_path", ["a helper's closure", "an object's attribute"])
+def test_a_lifted_closure_tensor_reachable_another_way_is_refused(other_path):
+    """Only the block's own cell is redirected: a second path to the same tensor would read it
+    unlifted (before: silently wrong gradients, or torch's internal assert)."""
+    x = torch.randn(4, 3)
+
+    def loss(w):
+        if other_path == "a helper's closure":
+            helper = _make_helper(w)
+        else:
+            box = _Box()
+            box.w = w
+            helper = lambda t: t @ box.w  # noqa: E731
+        return ckpt_guard.checkpoint(lambda t: torch.tanh(t @ w + helper(t)), x).sum()
+
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError) as info:
+        grad(loss)(torch.randn(3, 3))
+    assert "both through its own closure and another way" in str(info.value)
+
+
+def test_public_checkpoint_under_a_swap_of_another_models_parameters_when_installed():
+    """A functional_call that swaps in another model's nn.Parameters, .backward() after it: the
+    installed guard tracks the swap, so ckpt_guard.checkpoint uses the recompute that binds them."""
+    torch.manual_seed(0)
+    student, teacher = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    x = torch.randn(5, 4)
+
+    class Outer(torch.nn.Module):
+        def __init__(self, checkpointed):
+            super().__init__()
+            self.net = student
+            self.checkpointed = checkpointed
+
+        def forward(self, t):
+            return ckpt_guard.checkpoint(self.net, t) if self.checkpointed else self.net(t)
+
+    def teacher_grads(checkpointed):
+        teacher.zero_grad(set_to_none=True)
+        out = functional_call(Outer(checkpointed), {f"net.{k}": v for k, v in teacher.named_parameters()}, (x,))
+        out.pow(2).sum().backward()
+        return [p.grad for p in teacher.parameters()]
+
+    reference = teacher_grads(False)
+    ckpt_guard.install("strict")
+    torch.testing.assert_close(teacher_grads(True), reference)

@@ -106,12 +106,12 @@ class _KeyErrorOnAttributes:
 
 @pytest.mark.parametrize("policy", ["strict", "warn", "fallback"])
 def test_a_callable_whose_getattr_raises_is_not_the_guards_problem(policy):
-    # frozen: the walk sees the Linear inside the object, and trainable it would make CKG006 fire
-    block = torch.nn.Linear(3, 3).requires_grad_(False)
+    block = torch.nn.Linear(3, 3)
     function = _KeyErrorOnAttributes(block)
     from ckpt_guard import _reads
 
-    assert _reads.reads_of(function).partial == (block,) and not _reads.reads_of(function).unseen
+    complete = _reads.reads_of(function).complete()  # looked into, __getattr__ and all
+    assert complete.partial == (block,) and not complete.unseen
     x = torch.randn(2, 3)  # no input requires grad: a non-quiet reentrant call
     with ckpt_guard.policy(policy):
         for use_reentrant in (True, False):
@@ -440,3 +440,52 @@ def test_a_rule_switched_off_is_torch_not_another_rules_risk():
             with pytest.raises(RuntimeError, match=rule.raises_match):
                 torch.func.grad(lambda t: checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
     assert events == []
+
+
+def test_a_rule_set_to_warn_is_torch_after_the_warning():
+    """fallback with CKG001 at warn: one warning (CKG001's), then torch's own error; before, CKG104's
+    call-time risk also fired and ran the block another way."""
+    from ckpt_guard._rules import rule_by_id
+    from ckpt_guard._versions import installed
+
+    rule = rule_by_id("CKG001")
+    if not rule.holds_on(installed()):
+        pytest.skip(f"CKG001 does not hold on torch {torch.__version__}")
+    with ckpt_guard.policy("fallback", rules={"CKG001": "warn"}), ckpt_guard.record() as events:
+        with pytest.warns(CheckpointCompositionWarning, match=r"\[CKG001\]"):
+            with pytest.raises(RuntimeError, match=rule.raises_match):
+                torch.func.grad(lambda t: checkpoint(torch.sin, t, use_reentrant=False).sum())(torch.randn(3))
+    assert [(e.rule_id, e.action) for e in events] == [("CKG001", "warned")]
+
+
+class _Trainer:
+    """Holds a frozen encoder, a trainable model and its optimizer."""
+
+    def __init__(self):
+        self.encoder = torch.nn.Linear(4, 4).requires_grad_(False)
+        self.model = torch.nn.Linear(4, 4)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def encode(self, t):
+        return torch.tanh(self.encoder(t))
+
+
+_TRAINER = _Trainer()
+
+
+def _log_shapes(t):
+    if _TRAINER is None:  # mentions the global trainer, uses nothing of it
+        print(t.shape)
+    return t
+
+
+@pytest.mark.parametrize("case", ["method of an object holding a trainable model", "helper naming a global trainer"])
+def test_a_path_to_a_trainable_model_is_not_using_it(case):
+    """CKG006 counts what the block holds directly: a model it merely has a path to (through an
+    object or a helper function) is not blamed (the deeper walk serves the recompute only)."""
+    x = torch.randn(2, 4)
+    function = _TRAINER.encode if case.startswith("method") else (lambda t: torch.tanh(_log_shapes(t)))
+    with ckpt_guard.policy("strict"), ckpt_guard.record() as events:
+        out = _quietly(lambda: checkpoint(function, x, use_reentrant=True))
+    assert events == []
+    torch.testing.assert_close(out, function(x))
