@@ -24,10 +24,12 @@ and so are tensors the function holds in its own closure cells
 pointed at the input while the block runs, and back after.  A closure tensor
 is lifted when it needs a gradient or belongs to a torch.func level (a
 batched tensor under vmap): the block runs below those levels and must not
-read it directly.  A block that holds such a tensor anywhere else (a global,
-a default argument, inside a list), or an object the walk cannot look into,
-is not recomputed here: :func:`plan` says why, and the caller falls back to
-running it plainly.
+read it directly.  Cell redirection is serialized across threads (a cell is
+the function's, not the thread's).  A block that holds such a tensor
+anywhere else (a global, a default argument, inside a list), reaches a
+lifted one another way too (a helper's closure, an object's attribute), or
+holds something the walk cannot look into, is not recomputed here:
+:func:`plan` says why, and the caller falls back to running it plainly.
 
 The backward is *non-differentiable* (recompute and vjp under ``no_grad``: the
 recomputed activations are freed at once) only where nothing can
