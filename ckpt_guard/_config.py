@@ -121,13 +121,18 @@ def parse_rules_spec(spec: str, source: str) -> dict[str, str]:
             )
         known_id = _check_rule_id(rule_id, source)
         policy = check_policy(policy_name, f"{source} (rule {known_id})")
-        if overrides.get(known_id, policy) != policy:
-            raise ValueError(
-                f"ckpt_guard: rule {known_id} is given two policies in {source}={shown(spec)}: "
-                f"{overrides[known_id]} and {policy}; give it one"
-            )
-        overrides[known_id] = policy
+        _set_once(overrides, known_id, policy, f"{source}={shown(spec)}")
     return overrides
+
+
+def _set_once(overrides: dict, rule_id: str, policy: str, where: str) -> None:
+    """``overrides[rule_id] = policy``, unless ``where`` already gave that rule another policy."""
+    if overrides.get(rule_id, policy) != policy:
+        raise ValueError(
+            f"ckpt_guard: rule {rule_id} is given two policies in {where}: "
+            f"{overrides[rule_id]} and {policy}; give it one"
+        )
+    overrides[rule_id] = policy
 
 
 def check_rules(rules: object, source: str) -> dict[str, str]:
@@ -145,12 +150,7 @@ def check_rules(rules: object, source: str) -> dict[str, str]:
     for rule_id, p in rules.items():
         known_id = _check_rule_id(rule_id, source)
         policy = check_policy(p, f"{source}[{known_id!r}]")
-        if checked.get(known_id, policy) != policy:
-            raise ValueError(
-                f"ckpt_guard: rule {known_id} is given two policies in {source} "
-                f"(keys that differ only in case): {checked[known_id]} and {policy}; give it one"
-            )
-        checked[known_id] = policy
+        _set_once(checked, known_id, policy, f"{source} (keys that differ only in case)")
     return checked
 
 

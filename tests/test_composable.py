@@ -280,8 +280,7 @@ def test_fallback_eager_create_graph_over_a_torch_func_result():
         return torch.autograd.grad(g.pow(2).sum(), [x, *block.parameters()])
 
     reference = run(lambda f, t: f(t))
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with _fallback_quietly():
         got = run(lambda f, t: checkpoint(f, t, use_reentrant=False))
     assert_all_close(got, reference)
 
@@ -456,6 +455,21 @@ def test_fallback_under_grad_keeps_most_of_the_memory_saving():
 # blocks that reach their layer through functions they hold
 
 
+def _checkpointer(how: str, **options):
+    """``ckpt_guard.checkpoint``, or torch's non-reentrant checkpoint (for policy fallback to reroute)."""
+    if how == "fallback":
+        return functools.partial(checkpoint, use_reentrant=False, **options)
+    return functools.partial(ckpt_guard.checkpoint, **options)
+
+
+@contextlib.contextmanager
+def _fallback_quietly():
+    """Policy fallback, its warnings (tested elsewhere) silenced."""
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        yield
+
+
 def _wrapped(fn):
     """A functools.wraps decorator (a NaN check, a timer): the block is its wrapper."""
 
@@ -491,10 +505,7 @@ class _HelperBuilt(torch.nn.Module):
 def test_layers_behind_held_functions_are_lifted(shape, how):
     """Before, the layer was not found: zero gradients under grad, an internal assert under vmap(grad)."""
     torch.manual_seed(0)
-    if how == "fallback":
-        run = functools.partial(checkpoint, use_reentrant=False)
-    else:
-        run = ckpt_guard.checkpoint
+    run = _checkpointer(how)
     model, plain = _HelperBuilt(shape, run), _HelperBuilt(shape)
     plain.load_state_dict(model.state_dict())
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -506,8 +517,7 @@ def test_layers_behind_held_functions_are_lifted(shape, how):
     def batch(net):
         return grad(lambda p: functional_call(net, p, (xs,)).pow(2).sum())(params)
 
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with _fallback_quietly():
         got = [per_sample(model), batch(model)]
     reference = [per_sample(plain), batch(plain)]
     for g, r in zip(got, reference):
@@ -565,7 +575,7 @@ class _TiedLM(torch.nn.Module):
 def test_tied_weights_get_both_shares_of_the_gradient(how):
     """Before, the second alias read the original tensor: its share of the gradient was lost."""
     torch.manual_seed(0)
-    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    run = _checkpointer(how)
     model, plain = _TiedLM(run), _TiedLM()
     plain.load_state_dict(model.state_dict())
     ids = torch.randint(0, 10, (5,))
@@ -575,8 +585,7 @@ def test_tied_weights_get_both_shares_of_the_gradient(how):
     def grads(net):
         return grad(lambda p: functional_call(net, p, (ids,)).logsumexp(-1).sum())(params)
 
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with _fallback_quietly():
         got = grads(model)
     torch.testing.assert_close(got, grads(plain))
 
@@ -604,7 +613,7 @@ class _FrozenNormNet(torch.nn.Module):
 def test_eval_batchnorm_buffers_are_not_differentiated(how):
     """Before: 'native_batch_norm' is not differentiable with respect to argument 'running_mean'."""
     torch.manual_seed(0)
-    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    run = _checkpointer(how)
     model, plain = _FrozenNormNet(run), _FrozenNormNet()
     with torch.no_grad():
         model.block[1].running_mean.uniform_(-1, 1)
@@ -613,8 +622,7 @@ def test_eval_batchnorm_buffers_are_not_differentiated(how):
     model.eval(), plain.eval()
     params = {k: v.detach() for k, v in model.named_parameters()}
     xs = torch.randn(3, 4)
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with _fallback_quietly():
         got = _per_sample_grads(model, params, xs)
     torch.testing.assert_close(got, _per_sample_grads(plain, params, xs))
 
@@ -623,7 +631,7 @@ def test_eval_batchnorm_buffers_are_not_differentiated(how):
 @pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
 def test_an_input_returned_as_is(how, mask_dtype):
     """A block that passes its mask through: before, torch refused ('returned as-is as output')."""
-    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    run = _checkpointer(how)
     x, mask = torch.randn(3, 4), torch.ones(3, 4, dtype=mask_dtype)
 
     def block(h, m):
@@ -633,8 +641,7 @@ def test_an_input_returned_as_is(how, mask_dtype):
         out, m = run(block, h, mask) if checkpointed else block(h, mask)
         return (out * m).sum()
 
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with _fallback_quietly():
         got = grad(lambda h: loss(h, True))(x)
     torch.testing.assert_close(got, grad(lambda h: loss(h, False))(x))
 
@@ -747,16 +754,12 @@ def test_selective_checkpointing_context_fn_under_grad(how):
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     x = torch.randn(3, 4)
     params = {k: v.detach() for k, v in mlp.named_parameters()}
-    if how == "fallback":
-        run = functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn)
-    else:
-        run = functools.partial(ckpt_guard.checkpoint, context_fn=context_fn)
+    run = _checkpointer(how, context_fn=context_fn)
 
     def loss(p, checkpointed):
         return (functional_call(mlp, p, (x,)) if not checkpointed else run(lambda t: functional_call(mlp, p, (t,)), x)).pow(2).sum()
 
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with _fallback_quietly():
         got = grad(lambda p: loss(p, True))(params)
     torch.testing.assert_close(got, grad(lambda p: loss(p, False))(params))
 
@@ -781,7 +784,7 @@ def test_callable_objects_are_looked_into(how):
     scaler = _Scaler(layer, 2.0)
     params = {k: v.detach() for k, v in layer.named_parameters()}
     xs = torch.randn(4, 3)
-    run = ckpt_guard.checkpoint if how == "ckpt_guard.checkpoint" else functools.partial(checkpoint, use_reentrant=False)
+    run = _checkpointer(how)
 
     def per_sample(checkpointed):
         def loss(p, x):
