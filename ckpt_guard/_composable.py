@@ -207,7 +207,8 @@ class Plan:
         DIFFERENTIABLE_RECOMPUTES += self.differentiable
 
 
-_SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
+#: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
+SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 
 #: Recomputes run so far, and how many of them differentiable (the matrix reads them: a
 #: recompute means the block's activations were not kept by the forward).
@@ -307,7 +308,7 @@ class _Recompute(torch.autograd.Function):
         forward_context = contextlib.nullcontext()
         if plan.context_fn is not None:
             forward_context, plan.recompute_context = plan.context_fn()
-            if isinstance(forward_context, _SELECTIVE_CACHING_MODE):
+            if isinstance(forward_context, SELECTIVE_CACHING_MODE):
                 # Selective checkpointing caches ops by their order in torch's own recompute;
                 # the vjp here runs other ops, so the cache would not line up ("not found in
                 # storage"). Its policy only chooses what to keep: recomputing all is correct.

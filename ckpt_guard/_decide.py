@@ -615,12 +615,9 @@ def forward_context_of(context_fn: Any) -> Any:
     if context_fn is None or context_fn is _noop_context_fn or not _is_user_context_fn(context_fn):
         return None
     forward_context = context_fn()[0]
-    if isinstance(forward_context, _SELECTIVE_CACHING_MODE):
+    if isinstance(forward_context, _composable.SELECTIVE_CACHING_MODE):
         return None
     return forward_context
-
-
-_SELECTIVE_CACHING_MODE = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", ())
 
 
 #: recomputes of torch's checkpoint the guard has seen (the matrix reads it: a block recomputed
@@ -987,9 +984,9 @@ def public_checkpoint(
     torch's recompute would run after the swap ended and read the module's
     own parameters (CKG101), the composable one binds what the forward read.
     Installed, the guard tracks swaps; without it, a swap shows as a module
-    parameter that is not an ``nn.Parameter`` (one that swaps in another
-    model's ``nn.Parameter``\ s is not seen then).  Under a transform: the composable recompute, where it is
-    correct.
+    parameter that is not an ``nn.Parameter`` (a swap that puts in another
+    model's parameters is not seen then).  Under a transform: the composable
+    recompute, where it is correct.
     Elsewhere the rule that explains why is applied under the policy in force:
     the scope's, else the installed one, else the environment's (default
     strict), whether or not the guard is installed.
