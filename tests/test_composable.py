@@ -511,15 +511,12 @@ def test_layers_behind_held_functions_are_lifted(shape, how):
     params = {k: v.detach() for k, v in model.named_parameters()}
     xs = torch.randn(3, 4)
 
-    def per_sample(net):
-        return vmap(grad(lambda p, x: functional_call(net, p, (x[None],)).pow(2).sum()), in_dims=(None, 0))(params, xs)
-
     def batch(net):
         return grad(lambda p: functional_call(net, p, (xs,)).pow(2).sum())(params)
 
     with _fallback_quietly():
-        got = [per_sample(model), batch(model)]
-    reference = [per_sample(plain), batch(plain)]
+        got = [_per_sample_grads(model, params, xs), batch(model)]
+    reference = [_per_sample_grads(plain, params, xs), batch(plain)]
     for g, r in zip(got, reference):
         assert all(v.abs().sum() > 0 for v in r.values())
         torch.testing.assert_close(g, r)
