@@ -232,7 +232,7 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, widt
             "guard; by design: fallback raises the drift it could not foresee; ran: what fallback "
             "ran, ckpt (torch's checkpoint), NR (use_reentrant=False), compos. (the composable "
             "recompute) or plain (without checkpointing), and whether the memory saving was kept "
-            "(partly: a differentiable recompute), measured; ok: agrees with the table; --json "
+            "(the block recomputed in the backward), measured; ok: agrees with the table; --json "
             "has every cell in full"
         )
     lines.append("")

@@ -2,50 +2,51 @@
 
 torch's checkpoint is built on saved-tensor hooks (non-reentrant) or on an
 ``autograd.Function`` without ``setup_context`` (reentrant); torch.func refuses
-both.  The recompute here is an ``autograd.Function`` with ``setup_context``
-and ``generate_vmap_rule``, which torch.func transforms like any other
-operation:
+both.  The recompute here is an ``autograd.Function`` with ``setup_context``,
+which torch.func transforms like any other operation, and whose every
+transformation rule is again such a recompute, as ``jax.checkpoint``'s are:
 
-* ``forward`` runs the block under ``no_grad`` and saves only its inputs: the
-  block's activations are not kept, which is the memory saving;
-* ``backward`` recomputes the block and takes ``torch.func.vjp`` of it;
-* ``jvp`` recomputes it under ``torch.func.jvp`` (forward mode: jvp, jacfwd,
-  hessian; one forward-mode level: forward over forward would get zero tangents);
-* vmap runs all of it per sample (the generated vmap rule).
+* ``forward`` runs the block on its lifted inputs and keeps nothing of it but
+  those inputs (the memory saving);
+* ``backward`` recomputes the block and takes its vjp.  When something will
+  differentiate that result again (grad of grad, a jvp over a grad, an eager
+  ``.backward()`` over a torch.func result, a pullback later differentiated),
+  the vjp is itself a checkpointed recompute: the outer transform keeps its
+  inputs (primals and cotangents), never the recomputed activations;
+* ``jvp`` recomputes the block under ``torch.func.jvp`` (forward mode: jvp,
+  jacfwd, hessian); where the tangents will be differentiated again (a
+  MeanFlow loss's ``.backward()``, ``jvp(grad)``) that too is checkpointed;
+* ``vmap`` batches the checkpoint instead of unrolling it: the vmapped block
+  becomes one checkpointed recompute (unbatched inputs stay unbatched).
 
-Every tensor the block reads that may need a gradient must be an input, or its
-gradient would be silently zero.  So the modules the block reads (see
-``_reads``) have their parameters and buffers *lifted*: passed as inputs and
-bound in the recompute through the reparametrization ``functional_call`` uses
-(after a ``functional_call`` swap ended, the recompute still reads the
-swapped-in tensors).  Tensors bound by ``functools.partial`` are inputs too,
-and so are tensors the function holds in its own closure cells
-(``grad(lambda w: ... checkpoint(lambda t: t @ w, x))``): each such cell is
-pointed at the input while the block runs, and back after.  A closure tensor
-is lifted when it needs a gradient or belongs to a torch.func level (a
-batched tensor under vmap): the block runs below those levels and must not
-read it directly.  Cell redirection is serialized across threads (a cell is
-the function's, not the thread's).  A block that holds such a tensor
-anywhere else (a global, a default argument, inside a list), reaches a
-lifted one another way too (a helper's closure, an object's attribute), or
-holds something the walk cannot look into, is not recomputed here:
-:func:`plan` says why, and the caller falls back to running it plainly.
+Whether the backward or the tangents will be differentiated again is read
+when they run, from the functorch levels then alive: one that is neither the
+level running this backward nor dead (a pullback called after its ``vjp``
+returned) will differentiate it; so will eager autograd, when grad mode is on
+below every transform and a tensor involved requires grad there.
 
-The backward is *non-differentiable* (recompute and vjp under ``no_grad``: the
-recomputed activations are freed at once) only where nothing can
-differentiate its result again: exactly one reverse-mode (grad) level and no
-forward-mode or functionalize level at the call, and no tensor it reads
-requiring grad outside torch.func.  Elsewhere it is differentiable: correct to
-any order (grad of grad, an outer ``.backward()``), but torch.func's reverse
-mode then keeps the recomputed activations until the transform exits.  The
-gradients flowing into the backward are checked too: one that carries an
-eager graph (a trainable layer after the block) makes it differentiable.
+**What the block reads.**  Every tensor the block reads that may need a
+gradient must be an input, or its gradient would silently be zero.  The walk
+in ``_rebind`` lifts the parameters, buffers and plain tensor attributes of
+the modules the block reaches (bound per thread, modules are never copied),
+and the tensors that need a gradient held in its closures, defaults,
+partials, containers, dataclasses and objects, and the call's arguments
+(rebuilt as copies holding the recompute's tensors).  That walk is the fast
+path; the proof is ``_proof.ReadCheck``: during the forward, any tensor that
+carries a gradient and was neither given nor computed stops the call before
+the operation runs (:class:`Refused`), and the caller refuses the call or
+runs the block another way.  No wrong gradient either way.
 
-The recompute replays what the forward saw: the CPU and device RNG states
-(dropout draws the same mask), the default dtype, a ``torch.device(...)``
-context (tensors made without a device land where they did), autocast, and a
-user ``context_fn``'s recompute context.  Checkpoints nested inside the block run plainly (the outer recompute
-already recomputes them).
+**What the recompute replays.**  The forward's CPU and device RNG states
+(dropout draws the same mask), default dtype, ``torch.device(...)`` context,
+autocast, a user ``context_fn``'s recompute context, and what the block's
+closures held (frozen copies: a loop rebinding a closed-over variable is not
+seen).  The forward runs in the grad mode of the call, with the inputs that
+required grad there requiring grad (under a throwaway grad level), so a
+module that branches on ``torch.is_grad_enabled()`` or ``requires_grad``
+(``nn.TransformerEncoder``'s fast path) takes the same path as without
+checkpointing.  Checkpoints nested inside the block run plainly (the outer
+recompute already recomputes them).
 """
 
 from __future__ import annotations
@@ -53,15 +54,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import threading
-import types
 from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.utils.checkpoint as _tuc
-from torch.utils import _pytree
+from torch._C._functorch import _unwrap_for_grad, _wrap_for_grad, is_batchedtensor, maybe_get_level
+from torch._C._functorch import current_level as _current_level
+from torch._functorch import pyfunctorch
+from torch._functorch.eager_transforms import enable_inplace_requires_grad as _enable_inplace_requires_grad
+from torch._functorch.eager_transforms import _vjp_with_argnums
+from torch._functorch.eager_transforms import grad_increment_nesting as _grad_increment_nesting
 
-from . import _config, _reads, _state
+from . import _config, _proof, _rebind, _state
 
 Tensor = torch.Tensor
 
@@ -77,46 +81,97 @@ def _base(t: Tensor) -> Tensor:
     return t
 
 
-def _top_level(modules: Sequence[torch.nn.Module]) -> List[torch.nn.Module]:
-    """The modules none of the others contains (their parameters cover the rest)."""
-    kept: List[torch.nn.Module] = []
-    for module in modules:
-        if any(module is m for m in kept):
-            continue
-        if any(module is sub for other in modules if other is not module for sub in other.modules()):
-            continue
-        kept.append(module)
-    return kept
+def _carries_gradient(t: Tensor) -> bool:
+    return _state.requires_grad_anywhere(t) or _state.is_functorch_wrapped_tensor(t)
+
+
+def _version(t: Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except Exception:  # noqa: BLE001 - a functorch wrapper has no version counter of its own
+        return None
+
+
+def _tracked(t: Tensor, eager: bool = True) -> bool:
+    """Whether a grad or jvp level wraps ``t`` (at any depth), or (``eager``) it requires grad."""
+    while True:
+        if eager and t.requires_grad:
+            return True
+        if not _state.is_functorch_wrapped_tensor(t):
+            return False
+        if not is_batchedtensor(t):
+            return True
+        t = _state.get_unwrapped(t)
+
+
+class Refused(Exception):
+    """The composable recompute cannot be correct for this call; ``reason`` says why (for messages)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+#: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
+SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
+
+#: Recomputes of blocks run so far, and derivatives checkpointed in turn (a backward or
+#: tangents that something differentiated again).  The matrix reads them: a recompute
+#: means the block's activations were not kept by the forward.
+RECOMPUTES = 0
+NESTED_RECOMPUTES = 0
 
 
 class Plan:
-    """One composable checkpoint call: what to run, what is lifted, how to replay it."""
+    """One composable checkpoint call: what is lifted, how to run the block on it, how to replay it."""
 
     def __init__(
-        self, function: Callable[..., Any], args: tuple, kwargs: dict, modules: List[torch.nn.Module],
-        context_fn: Any, preserve_rng_state: bool, differentiable: bool, cells: Sequence[Any] = (),
+        self, function: Callable[..., Any], args: tuple, kwargs: dict, held: _rebind.Holdings, context_fn: Any,
     ) -> None:
-        self.function = function
-        self.modules = modules
-        #: closure cells of ``function`` whose tensors are lifted (see the module docstring)
-        self.cells = list(cells)
-        # every module's parameters and buffers by name, then the call's tensors
-        self.names = [
-            [name for name, _ in _named_tensors(module)] for module in modules
-        ]
-        lifted = [tensor for module in modules for _, tensor in _named_tensors(module)]
-        leaves, self.call_spec = _pytree.tree_flatten((args, kwargs))
-        self.tensor_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
-        self.leaves = leaves
-        lifted += [cell.cell_contents for cell in self.cells]
-        self.inputs: Tuple[Tensor, ...] = (*lifted, *(leaves[i] for i in self.tensor_slots))
-        self.n_lifted = len(lifted)
+        self.original_function, self.args, self.kwargs = function, args, kwargs
+        self.function = held.frozen  # its closures frozen (see the module docstring)
+        #: (module, store, name, tensor): every parameter, buffer and plain tensor attribute
+        self.slots: List[Tuple[Any, str, str, Tensor]] = []
+        for module in held.modules:
+            for store in ("_parameters", "_buffers"):
+                for name, tensor in module.__dict__[store].items():
+                    if isinstance(tensor, Tensor):
+                        self.slots.append((module, store, name, tensor))
+        #: (module, name, value): plain attributes that may hold a lifted tensor (rebuilt per call)
+        self.attributes: List[Tuple[Any, str, Any]] = []
+        for module, name, value in held.attributes:
+            if isinstance(value, Tensor):
+                self.slots.append((module, "__dict__", name, value))
+            else:
+                self.attributes.append((module, name, value))
+        inputs: dict = {}
+        for *_, tensor in self.slots:
+            inputs.setdefault(id(tensor), tensor)
+        for tensor in held.tensors:
+            if _carries_gradient(tensor):
+                inputs.setdefault(id(tensor), tensor)
+        for tensor in held.arguments:
+            inputs.setdefault(id(tensor), tensor)
+        self.inputs: Tuple[Tensor, ...] = tuple(inputs.values())
+        self.input_ids = [id(t) for t in self.inputs]
+        self.grad_mode = torch.is_grad_enabled()
+        #: inputs that required grad at the call: the forward makes them require grad too
+        self.needs = [t.requires_grad and _differentiable_dtype(t) for t in self.inputs]
+        #: inputs a gradient or a tangent can reach: those a grad or jvp level wraps, or that
+        #: require grad (a buffer's tangent is a zero the transform made up: not passed on)
+        self.reachable = [_differentiable_dtype(t) and _tracked(t) for t in self.inputs]
+        #: ... of which these a tangent can reach (a grad or jvp level wraps them: eager
+        #: requires_grad carries no tangent)
+        self.tangent_reachable = [r and _tracked(t, eager=False) for r, t in zip(self.reachable, self.inputs)]
         self.context_fn = context_fn
-        self.preserve_rng_state = preserve_rng_state
-        self.differentiable = differentiable
-        self.output_spec: Any = None
-        self.output_leaves: List[Any] = []
-        self.output_slots: List[int] = []
+        self.checked = False  # the run-time proof has run (on the first forward)
+        self.check: Optional[_proof.ReadCheck] = None  # the forward's, while it runs
+        self.versions: List[Optional[int]] = []
+        #: input index -> its value before the forward updated it in place (see for_recompute)
+        self.pre_forward: dict = {}
+        self.output_template: Any = None
+        self.output_ids: List[int] = []
+        self.output_kept: List[bool] = []
         self.recompute_context: Any = contextlib.nullcontext()
         self.rng: Any = None
         self.autocast: Any = None
@@ -130,43 +185,117 @@ class Plan:
 
     # -- running the block on a given set of input tensors
 
-    def call(self, tensors: Sequence[Tensor]) -> Any:
-        lifted, rest = tensors[: self.n_lifted], tensors[self.n_lifted:]
-        leaves = list(self.leaves)
-        for slot, tensor in zip(self.tensor_slots, rest):
-            leaves[slot] = tensor
-        args, kwargs = _pytree.tree_unflatten(leaves, self.call_spec)
-        with contextlib.ExitStack() as stack:
-            position = 0
-            for module, names in zip(self.modules, self.names):
-                mapping = dict(zip(names, lifted[position: position + len(names)]))
-                position += len(names)
-                stack.enter_context(torch.nn.utils.stateless._reparametrize_module(module, mapping, tie_weights=True))
-            if self.cells:
-                # a cell is the function's, not this thread's: one block at a time redirects cells
-                stack.enter_context(_CELL_LOCK)
-            for cell, tensor in zip(self.cells, lifted[position:]):
-                stack.enter_context(_pointed_at(cell, tensor))
-            return self.function(*args, **kwargs)
+    def call(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Any:
+        swap = dict(zip(self.input_ids, tensors))
+        rebuild = _rebind._Rebuild(swap)
+        bindings = [(module, store, name, swap[id(tensor)]) for module, store, name, tensor in self.slots]
+        for module, name, value in self.attributes:
+            new, changed = rebuild(value)
+            if changed:
+                bindings.append((module, "__dict__", name, new))
+        with _rebind.bound(bindings):
+            function = rebuild(self.function)[0]
+            args, kwargs = rebuild((self.args, self.kwargs))[0]
+            if check is None:
+                return function(*args, **kwargs)
+            check.given(tensors)
+            with check:
+                output = function(*args, **kwargs)
+            check.check_outputs(_output_tensors(output))
+            return output
 
-    def flat_outputs(self, output: Any) -> Tuple[Tensor, ...]:
-        """The output's tensors (remembering the rest of its structure for :meth:`rebuild`)."""
-        leaves, self.output_spec = _pytree.tree_flatten(output)
-        self.output_leaves = leaves
-        self.output_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
-        return tuple(leaves[i] for i in self.output_slots)
-
-    def rebuild(self, tensors: Sequence[Tensor]) -> Any:
-        leaves = list(self.output_leaves)
-        for slot, tensor in zip(self.output_slots, tensors):
-            leaves[slot] = tensor
-        return _pytree.tree_unflatten(leaves, self.output_spec)
-
-    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    def pure(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Tuple[Tensor, ...]:
         """The block as a function of its input tensors to its output tensors (for vjp / jvp)."""
-        output = self.call(tensors)
-        leaves = _pytree.tree_leaves(output)
-        return tuple(leaf for leaf in leaves if isinstance(leaf, Tensor))
+        output = self.call(tensors, check)
+        if check is not None:  # the forward: remember the output's structure
+            self.output_template = output
+            found = _output_tensors(output)
+            self.output_ids = [id(t) for t in found]
+            self.output_kept = [_differentiable_dtype(t) for t in found]
+            return tuple(found)
+        return tuple(_output_tensors(output))
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The first run of the block: checked, in the call's grad mode, remembered for replay."""
+        self.capture_forward_state(tensors)
+        forward_context = contextlib.nullcontext()
+        if self.context_fn is not None:
+            forward_context, self.recompute_context = self.context_fn()
+            if isinstance(forward_context, SELECTIVE_CACHING_MODE):
+                # Selective checkpointing caches ops by their order in torch's own recompute;
+                # the vjp here runs other ops, so the cache would not line up ("not found in
+                # storage"). Its policy only chooses what to keep: recomputing all is correct.
+                forward_context, self.recompute_context = contextlib.nullcontext(), contextlib.nullcontext()
+        device_context = contextlib.nullcontext() if self.default_device is None else torch.device(self.default_device)
+        check = None if self.checked else _proof.ReadCheck(tensors)
+        self.versions = [_version(t) for t in tensors]
+        self.check = check
+        given = [t.detach() for t in tensors]  # new objects: a read of the original is not a read of these
+        needed = [i for i, need in enumerate(self.needs) if need] if self.grad_mode else []
+        with device_context, forward_context, _plain_nested_checkpoints():
+            if needed:
+                # the inputs that required grad at the call require grad here too, under a
+                # throwaway grad level (its graph goes when the level exits)
+                with _grad_increment_nesting() as level, torch.enable_grad():
+                    wrapped = [_wrap_for_grad(t, level) for t in given]
+                    with _enable_inplace_requires_grad(True):
+                        for i in needed:
+                            wrapped[i].requires_grad_()
+                    outputs = tuple(_unwrap_for_grad(o, level) for o in self.pure(wrapped, check))
+            else:
+                with torch.set_grad_enabled(self.grad_mode):
+                    outputs = self.pure(given, check)
+        self.checked = True
+        if check is not None:  # what the block updated in place: the recompute starts from the forward's values
+            self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
+            self.check = None
+        # An input returned as is (a mask passed through) cannot also be saved for backward by a
+        # Function with setup_context: return a copy of it instead (as large as that input).
+        passed = {id(t) for t in (*tensors, *given)}
+        final = tuple(o.clone() if id(o) in passed else o.detach() for o in outputs)
+        # the output's structure, holding these (not the forward's own tensors: under the grad level
+        # above they hold its whole graph)
+        self.output_template = _rebind.rebuild(self.output_template, dict(zip(self.output_ids, final)))
+        self.output_ids = [id(t) for t in final]
+        return final
+
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The saved inputs, with the forward's starting values of those it updated in place.
+
+        A BatchNorm's running statistics are updated once, as without
+        checkpointing (each recompute updates a copy).  An input that needs
+        a gradient is left as it is (it is what the recompute differentiates).
+        """
+        if not self.pre_forward:
+            return tuple(tensors)
+        return tuple(
+            self.pre_forward[i].clone() if i in self.pre_forward and not self.needs[i] else t
+            for i, t in enumerate(tensors)
+        )
+
+    def undo_updates(self, tensors: Sequence[Tensor]) -> None:
+        """After a refused forward: put back what it updated in place (the plain run updates it again)."""
+        check = self.check
+        if check is None:
+            return
+        with torch.no_grad():
+            for i, kept in check.before.items():
+                if self._updated(i, kept, tensors[i]):
+                    tensors[i].copy_(kept)
+
+    def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
+        # a kernel may write without bumping the version (BatchNorm's running statistics)
+        return self.versions[i] != _version(now) or not torch.equal(kept, now)
+
+    def rebuild(self, outputs: Sequence[Tensor]) -> Any:
+        """The block's output with the Function's outputs in place of the forward's tensors."""
+        return _rebind.rebuild(self.output_template, dict(zip(self.output_ids, outputs)))
+
+    def differentiable_outputs(self) -> List[bool]:
+        return self.output_kept
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]:
+        return self.tangent_reachable if forward else self.reachable
 
     # -- what the forward saw, and its replay
 
@@ -174,12 +303,19 @@ class Plan:
         self.default_dtype = torch.get_default_dtype()
         device_type = _tuc._infer_device_type(*tensors)
         self.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
-        if self.preserve_rng_state:
-            device_module = getattr(torch, device_type, None)
-            devices, states = ([], [])
-            if device_type != "cpu" and getattr(device_module, "_initialized", False):
-                devices, states = _tuc.get_device_states(*tensors)
-            self.rng = (torch.get_rng_state(), devices, states, device_type)
+        device_module = getattr(torch, device_type, None)
+        devices, states = ([], [])
+        if device_type != "cpu" and getattr(device_module, "_initialized", False):
+            devices, states = _tuc.get_device_states(*tensors)
+        self.rng = (torch.get_rng_state(), devices, states, device_type)
+
+    def restore_rng(self) -> None:
+        """The RNG as the forward found it (fallback's plain run after a refusal draws the same)."""
+        if self.rng is not None:
+            cpu_state, devices, states, _ = self.rng
+            torch.set_rng_state(cpu_state)
+            if devices:
+                _tuc.set_device_states(devices, states)
 
     @contextlib.contextmanager
     def replay(self) -> Any:
@@ -190,30 +326,316 @@ class Plan:
             stack.enter_context(_default_dtype(self.default_dtype))
             if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
                 stack.enter_context(torch.device(self.default_device))
-            if self.rng is not None:
-                cpu_state, devices, states, _ = self.rng
-                stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device_type))
-                torch.set_rng_state(cpu_state)
-                if devices:
-                    _tuc.set_device_states(devices, states)
+            cpu_state, devices, states, _ = self.rng
+            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device_type))
+            torch.set_rng_state(cpu_state)
+            if devices:
+                _tuc.set_device_states(devices, states)
             if torch.amp.is_autocast_available(device_type) and device_type != "cpu":
                 stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
             stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
             stack.enter_context(self.recompute_context)
             stack.enter_context(_plain_nested_checkpoints())
             yield
-        global RECOMPUTES, DIFFERENTIABLE_RECOMPUTES
+        global RECOMPUTES
         RECOMPUTES += 1
-        DIFFERENTIABLE_RECOMPUTES += self.differentiable
 
 
-#: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
-SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
+def _output_tensors(output: Any) -> List[Tensor]:
+    """The tensors in a block's output (any structure: containers, dataclasses, objects), once each."""
+    found: dict = {}
 
-#: Recomputes run so far, and how many of them differentiable (the matrix reads them: a
-#: recompute means the block's activations were not kept by the forward).
-RECOMPUTES = 0
-DIFFERENTIABLE_RECOMPUTES = 0
+    def visit(obj: Any, bindable: bool) -> None:
+        if isinstance(obj, Tensor):
+            found.setdefault(id(obj), obj)
+
+    _rebind._Rebuild({}, visit)(output)
+    return list(found.values())
+
+
+class _Derivative:
+    """The vjp (``"vjp"``) or the tangents (``"jvp"``) of a plan, as a block of its own.
+
+    Its inputs: all the base's inputs, then the cotangents present (vjp) or the
+    tangents of the ``wanted`` inputs (jvp).  Checkpointed like any block, so a
+    derivative that is differentiated again keeps its inputs, not its activations.
+    """
+
+    def __init__(self, base: Any, kind: str, wanted: List[int], present: Sequence[bool]) -> None:
+        self.base, self.kind, self.wanted, self.present = base, kind, wanted, list(present)
+        self.output_kept: List[bool] = []
+
+    def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
+        primals, extra = self.base.for_recompute(tensors[:n]), tensors[n:]
+        with self.base.replay():
+            if self.kind == "jvp":
+                return _jvp(self.base, primals, self.wanted, extra)
+            outputs, pullback = _vjp(self.base, primals, self.wanted)
+            given = iter(extra)
+            cotangents = tuple(next(given) if p else torch.zeros_like(o) for p, o in zip(self.present, outputs))
+            return tuple(pullback(cotangents))
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        global NESTED_RECOMPUTES
+        NESTED_RECOMPUTES += 1
+        with torch.no_grad():  # torch.func's transforms inside ignore it; no eager graph is kept
+            outputs = self._function(tensors)
+        self.output_kept = [_differentiable_dtype(o) for o in outputs]
+        passed = {id(t) for t in tensors}
+        return tuple(o.clone() if id(o) in passed else o.detach() for o in outputs)
+
+    def pure(self, tensors: Sequence[Tensor], check: Any = None) -> Tuple[Tensor, ...]:
+        return self._function(tensors)
+
+    def replay(self) -> Any:
+        return contextlib.nullcontext()  # its function replays the base
+
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return tuple(tensors)  # its function asks the base
+
+    def differentiable_outputs(self) -> List[bool]:
+        return self.output_kept
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]:
+        extra = sum(self.present) if self.kind == "vjp" else len(self.wanted)
+        return [*self.base.differentiable_inputs(forward), *([True] * extra)]
+
+
+class _Batched:
+    """A plan vmapped: the block under ``torch.vmap``, checkpointed whole (vmap of a checkpoint)."""
+
+    def __init__(self, base: Any, in_dims: Sequence[Optional[int]], randomness: str) -> None:
+        self.base, self.in_dims = base, tuple(in_dims)
+        if isinstance(base, _Derivative) and all(d is None for d in self.in_dims[: _primal_count(base, in_dims)]):
+            # a derivative vmapped over its cotangents / tangents alone (jacrev, jacfwd): its
+            # block's random draws replay an unbatched forward, so they are drawn unbatched too
+            randomness = "same"
+        self.randomness = randomness
+
+        #: per output: batched (a leading batch dimension) or not (as the block made it)
+        self.out_batched: List[bool] = []
+
+    def _vmapped(self, inner: Callable[..., Tuple[Tensor, ...]], tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        found: List[bool] = []
+
+        def per_sample(*ts: Tensor) -> Tuple[Tensor, ...]:
+            outputs = inner(ts)
+            level = _current_level()
+            found[:] = [_batched_at(o, level) for o in outputs]
+            return outputs
+
+        outputs = torch.vmap(per_sample, in_dims=self.in_dims, randomness=self.randomness)(*tensors)
+        if not self.out_batched:
+            self.out_batched = found
+        # an output the batch did not reach stays as it was: torch.vmap expands it (stride 0), and
+        # an expanded tangent or cotangent cannot be written to
+        return tuple(o if batched else o.select(0, 0) for o, batched in zip(outputs, self.out_batched))
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return self._vmapped(self.base.forward_outputs, tensors)
+
+    def pure(self, tensors: Sequence[Tensor], check: Any = None) -> Tuple[Tensor, ...]:
+        return self._vmapped(self.base.pure, tensors)
+
+    def out_dims(self) -> Tuple[Optional[int], ...]:
+        return tuple(0 if batched else None for batched in self.out_batched)
+
+    def replay(self) -> Any:
+        return self.base.replay()
+
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return self.base.for_recompute(tensors)
+
+    def differentiable_outputs(self) -> List[bool]:
+        return self.base.differentiable_outputs()
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]:
+        return self.base.differentiable_inputs(forward)
+
+
+def _primal_count(derivative: _Derivative, in_dims: Sequence[Any]) -> int:
+    return len(in_dims) - (sum(derivative.present) if derivative.kind == "vjp" else len(derivative.wanted))
+
+
+def _recompute_of(plan: Any) -> Callable[..., Tuple[Tensor, ...]]:
+    """The block as a function of all its inputs to its differentiable outputs."""
+
+    def recompute(*tensors: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(o for o in plan.pure(tensors) if _differentiable_dtype(o))
+
+    return recompute
+
+
+def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[Tuple[Tensor, ...], Callable[..., Any]]:
+    """``(outputs, pullback)`` of the block with respect to the ``wanted`` inputs.
+
+    Every input is wrapped at the new grad level (as ``torch.func.grad`` wraps
+    all its arguments), so a block that updates a buffer in place (BatchNorm's
+    ``num_batches_tracked``) does what it does without checkpointing.
+    """
+    return _vjp_with_argnums(_recompute_of(plan), *tensors, argnums=tuple(wanted))
+
+
+def _jvp(
+    plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int], directions: Sequence[Tensor],
+) -> Tuple[Tensor, ...]:
+    """The output tangents of the block along ``directions`` (of the ``wanted`` inputs).
+
+    The other inputs stay as they are (constants of the jvp level): wrapped at
+    it without a tangent, an RNN's forward-mode formula mixes batched and
+    unbatched tangents in place (under jacfwd) and fails.
+    """
+    recompute = _recompute_of(plan)
+
+    def along(*chosen: Tensor) -> Tuple[Tensor, ...]:
+        full = list(tensors)
+        for i, t in zip(wanted, chosen):
+            full[i] = t
+        return recompute(*full)
+
+    # a dual's primal cannot overlap itself (a cotangent of .sum() is an expanded one)
+    chosen = tuple(_unexpanded(tensors[i]) for i in wanted)
+    return tuple(torch.func.jvp(along, chosen, tuple(directions))[1])
+
+
+def _unexpanded(t: Tensor) -> Tensor:
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return t.clone()
+    return t
+
+
+# --------------------------------------------------------------------------
+# will anything differentiate this backward (or these tangents) again?
+
+_GRAD, _JVP = "Grad", "Jvp"
+
+
+def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
+    """The live grad or jvp level the saved tensors are wrapped at (the node's own), or None."""
+    level = None
+    for t in tensors:
+        if _state.is_functorch_wrapped_tensor(t) and not is_batchedtensor(t):
+            found = maybe_get_level(t)  # -2: a dead wrapper (its transform has exited)
+            if found >= 0 and (level is None or found > level):
+                level = found
+    return level
+
+
+def _differentiated_again(saved: Sequence[Tensor], incoming: Sequence[Optional[Tensor]]) -> bool:
+    """Whether a live transform or eager autograd will differentiate what this derivative returns."""
+    if _state.forward_ad._current_level >= 0:
+        return True
+    interpreters = pyfunctorch.retrieve_all_functorch_interpreters() if _state.peek_interpreter_stack() else []
+    own = _own_level(saved)
+    eager_grad_mode = None
+    for interpreter in interpreters:
+        kind = interpreter.key().name
+        if kind in (_GRAD, _JVP) and interpreter.level() != own:
+            return True
+        if kind == _GRAD and eager_grad_mode is None:
+            eager_grad_mode = interpreter.prev_grad_mode()
+    if eager_grad_mode is None:
+        eager_grad_mode = torch.is_grad_enabled()
+    return bool(eager_grad_mode) and any(t is not None and _base(t).requires_grad for t in (*saved, *incoming))
+
+
+def _batched_at(t: Tensor, level: int) -> bool:
+    while _state.is_functorch_wrapped_tensor(t):
+        if is_batchedtensor(t) and maybe_get_level(t) == level:
+            return True
+        t = _state.get_unwrapped(t)
+    return False
+
+
+@contextlib.contextmanager
+def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
+    """Pop the vmap levels on top of the stack that batch none of ``primals`` (a jacrev's).
+
+    The forward never ran under them, so the recompute's linearization must not
+    either (its random draws would be refused or batched); the pullback, which
+    takes the batched cotangents, runs under them as usual.
+    """
+    with contextlib.ExitStack() as stack:
+        while _state.peek_interpreter_stack() is not None:
+            top = pyfunctorch.retrieve_current_functorch_interpreter()
+            if top.key().name != "Vmap" or any(_batched_at(p, top.level()) for p in primals):
+                break
+            stack.enter_context(pyfunctorch.temporarily_pop_interpreter_stack())
+        yield
+
+
+class _Recompute(torch.autograd.Function):
+    """The composable checkpoint: forward without activations, every rule a recompute."""
+
+    @staticmethod
+    def forward(plan: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        return plan.forward_outputs(tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        plan, *tensors = inputs
+        ctx.plan = plan
+        ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+        fixed = [o for o in output if not _differentiable_dtype(o)]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        plan = ctx.plan
+        tensors = plan.for_recompute(ctx.saved_tensors)
+        needed = ctx.needs_input_grad[1:]
+        reachable = plan.differentiable_inputs()
+        wanted = [i for i, t in enumerate(tensors) if needed[i] and reachable[i] and _differentiable_dtype(t)]
+        if not wanted:
+            return (None,) * (1 + len(tensors))
+        cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
+        if _differentiated_again(tensors, cotangents):
+            derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
+            grads = _Recompute.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
+        else:  # nothing differentiates this again: no graph kept, the least memory
+            with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
+                outputs, pullback = _vjp(plan, tensors, wanted)
+            with torch.no_grad():  # no graph of the vjp either: it would keep the recompute alive
+                grads = pullback(tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents)))
+        result: List[Optional[Tensor]] = [None] * len(tensors)
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return (None, *result)
+
+    @staticmethod
+    def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        plan = ctx.plan
+        tensors = plan.for_recompute(ctx.saved_tensors)
+        kept = plan.differentiable_outputs()
+        reachable = plan.differentiable_inputs(forward=True)
+        wanted = [
+            i for i, t in enumerate(tangents) if t is not None and reachable[i] and _differentiable_dtype(tensors[i])
+        ]
+        if not wanted:
+            return tuple(None for _ in kept)
+        # the saved tensors and tangents are wrapped at this jvp's own level, alive: below it, or
+        # the recompute would carry that level's tangents too (wasted, and refused by some ops)
+        own = _own_level(tensors)
+        if own is not None:
+            tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
+            tangents = tuple(None if t is None else _unwrap_for_grad(t, own) for t in tangents)
+        directions = tuple(tangents[i] for i in wanted)
+        if _differentiated_again(tensors, directions):
+            output_tangents = _Recompute.apply(_Derivative(plan, "jvp", wanted, ()), *tensors, *directions)
+        else:
+            with plan.replay():
+                output_tangents = _jvp(plan, tensors, wanted, directions)
+        it = iter(output_tangents)
+        return tuple(next(it) if k else None for k in kept)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Any, ...], plan: Any, *tensors: Tensor) -> Any:
+        batched = _Batched(plan, in_dims[1:], info.randomness)
+        outputs = _Recompute.apply(batched, *tensors)
+        return outputs, batched.out_dims()
 
 
 @contextlib.contextmanager
@@ -236,166 +658,6 @@ def _plain_nested_checkpoints() -> Any:
         _config.pop_scope(token)
 
 
-#: Held while a block runs with its closure cells redirected (reentrant: a block may nest
-#: another one).  Another thread calling the same closure meanwhile waits rather than
-#: reading the other thread's tensors.
-_CELL_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _pointed_at(cell: Any, tensor: Tensor) -> Any:
-    """A closure cell holding ``tensor`` while the block runs (its own tensor again after)."""
-    held = cell.cell_contents
-    cell.cell_contents = tensor
-    try:
-        yield
-    finally:
-        cell.cell_contents = held
-
-
-def _cells_holding(function: Any, tensors: Sequence[Tensor]) -> Optional[List[Any]]:
-    """The closure cells of ``function`` that hold ``tensors``, or None if one is held elsewhere."""
-    code_owner = function.__func__ if isinstance(function, types.MethodType) else function
-    cells = getattr(code_owner, "__closure__", None) or ()
-    found = []
-    for tensor in tensors:
-        holding = [cell for cell in cells if _cell_holds(cell, tensor)]
-        if not holding:
-            return None
-        found.extend(holding)
-    return found
-
-
-def _cell_holds(cell: Any, tensor: Tensor) -> bool:
-    try:
-        return cell.cell_contents is tensor
-    except ValueError:  # an empty cell
-        return False
-
-
-def _named_tensors(module: torch.nn.Module) -> List[Tuple[str, Tensor]]:
-    return [*module.named_parameters(), *module.named_buffers()]
-
-
-def _recompute_of(
-    plan: Plan, tensors: Sequence[Tensor], needed: Sequence[bool],
-) -> Tuple[List[int], Callable[..., Tuple[Tensor, ...]]]:
-    """The slots of the inputs to differentiate, and the block as a function of those alone.
-
-    ``needed`` says which inputs autograd wants a gradient (or a tangent) for:
-    a buffer such as BatchNorm's ``running_mean`` is an input too, and some
-    operations cannot be differentiated with respect to it.
-    """
-    wanted = [i for i, t in enumerate(tensors) if needed[i] and _differentiable_dtype(t)]
-
-    def recompute(*differentiable: Tensor) -> Tuple[Tensor, ...]:
-        full = list(tensors)
-        for i, t in zip(wanted, differentiable):
-            full[i] = t
-        return tuple(o for o in plan.pure(full) if _differentiable_dtype(o))
-
-    return wanted, recompute
-
-
-class _Recompute(torch.autograd.Function):
-    """The composable checkpoint: forward without activations, backward and jvp by recomputing."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(plan: Plan, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
-        plan.capture_forward_state(tensors)
-        forward_context = contextlib.nullcontext()
-        if plan.context_fn is not None:
-            forward_context, plan.recompute_context = plan.context_fn()
-            if isinstance(forward_context, SELECTIVE_CACHING_MODE):
-                # Selective checkpointing caches ops by their order in torch's own recompute;
-                # the vjp here runs other ops, so the cache would not line up ("not found in
-                # storage"). Its policy only chooses what to keep: recomputing all is correct.
-                forward_context, plan.recompute_context = contextlib.nullcontext(), contextlib.nullcontext()
-        device_context = contextlib.nullcontext() if plan.default_device is None else torch.device(plan.default_device)
-        with torch.no_grad(), device_context, forward_context, _plain_nested_checkpoints():
-            outputs = plan.flat_outputs(plan.call(tensors))
-        # An input returned as is (a mask passed through) cannot also be saved for backward by a
-        # Function with setup_context: return a copy of it instead (as large as that input).
-        inputs = {id(t) for t in tensors}
-        return tuple(o.clone() if id(o) in inputs else o for o in outputs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-        plan, *tensors = inputs
-        ctx.plan = plan
-        ctx.save_for_backward(*tensors)
-        ctx.save_for_forward(*tensors)
-        fixed = [o for o in output if not _differentiable_dtype(o)]
-        if fixed:
-            ctx.mark_non_differentiable(*fixed)
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        plan: Plan = ctx.plan
-        tensors = ctx.saved_tensors
-        wanted, recompute = _recompute_of(plan, tensors, ctx.needs_input_grad[1:])
-        if not wanted:
-            return (None,) * (1 + len(tensors))
-
-        cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
-
-        def weighted(*differentiable: Tensor) -> Tensor:
-            # <outputs, cotangents>: its gradient is the vjp, taken inside one torch.func.grad
-            # call (a vjp pullback run after its level exited trips over unused inputs when
-            # nested in another transform, e.g. grad(vjp(f)))
-            outputs = recompute(*differentiable)
-            # Re<o, c> (c conjugated for a complex output): torch's vjp convention, a real scalar
-            terms = [
-                (o * c.conj()).real.sum() if o.is_complex() else (o * c).sum()
-                for o, c in zip(outputs, cotangents) if c is not None
-            ]
-            return functools.reduce(torch.add, terms) if terms else outputs[0].sum() * 0
-
-        primals = tuple(tensors[i] for i in wanted)
-        # what flows in may carry an eager graph too (a trainable layer after the block)
-        differentiable = plan.differentiable or any(
-            c is not None and _base(c).requires_grad for c in cotangents
-        )
-        plan.differentiable = differentiable  # what actually ran (for the counters)
-        with plan.replay():
-            if differentiable:
-                grads = torch.func.grad(weighted, argnums=tuple(range(len(primals))))(*primals)
-            else:  # nothing differentiates this again: no graph kept, the least memory
-                with torch.no_grad():
-                    outputs, pullback = torch.func.vjp(recompute, *primals)
-                    grads = pullback(tuple(
-                        torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents)
-                    ))
-        result: List[Optional[Tensor]] = [None] * len(tensors)
-        for i, g in zip(wanted, grads):
-            result[i] = g
-        return (None, *result)
-
-    @staticmethod
-    def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
-        plan: Plan = ctx.plan
-        tensors = ctx.saved_tensors
-        wanted, recompute = _recompute_of(plan, tensors, [t is not None for t in tangents])
-        if not wanted:
-            return tuple(None for _ in plan.differentiable_outputs())
-
-        primals = tuple(tensors[i] for i in wanted)
-        directions = tuple(tangents[i] for i in wanted)
-        with plan.replay():
-            _, output_tangents = torch.func.jvp(recompute, primals, directions)
-        it = iter(output_tangents)
-        return tuple(next(it) if kept else None for kept in plan.differentiable_outputs())
-
-
-def _differentiable_outputs(self: Plan) -> List[bool]:
-    return [_differentiable_dtype(self.output_leaves[i]) for i in self.output_slots]
-
-
-Plan.differentiable_outputs = _differentiable_outputs  # type: ignore[attr-defined]
-
-
 # --------------------------------------------------------------------------
 # deciding whether the composable recompute is right for a call
 
@@ -404,10 +666,11 @@ def plan(
     function: Callable[..., Any], args: tuple, kwargs: dict, *, context_fn: Any = None,
     preserve_rng_state: bool = True,
 ) -> Union[Plan, str]:
-    """A :class:`Plan` for this call, or why the composable recompute would be wrong here."""
-    reads = _reads.reads_of(function).complete()
-    if reads.unseen:
-        return "it holds an object the guard does not look into, which may hide tensors needing a gradient"
+    """A :class:`Plan` for this call, or why the composable recompute would be wrong here.
+
+    ``preserve_rng_state=False`` would let the recompute draw other numbers
+    (CKG107): the forward's RNG is always replayed.
+    """
     if _state.user_dispatch_modes() or _state.user_function_modes():
         return "a user mode is active: the recompute would run without it"
     stack = [name for name, _ in _state.transform_stack()]
@@ -419,65 +682,68 @@ def plan(
     # torch.func.jvp runs inside a dual level of its own; outside it, a dual level is the user's
     if _state.forward_ad._current_level >= 0 and "jvp" not in transforms:
         return "forward-mode AD (dual_level) is active: its jvp would nest torch.func.jvp inside it"
-    if isinstance(function, functools.partial):  # the bound arguments become inputs: liftable
-        args = (*function.args, *args)
-        kwargs = {**function.keywords, **kwargs}
-        function = function.func
-    bound = {id(leaf) for leaf in _pytree.tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)}
-    captured = [
-        tensor for tensor in reads.tensors
-        if id(tensor) not in bound
-        and (_state.requires_grad_anywhere(tensor) or _state.is_functorch_wrapped_tensor(tensor))
-    ]
-    cells = _cells_holding(function, captured) if captured else []
-    if cells is None:
+    if _parametrization_cache_enabled():
         return (
-            "it holds a tensor that requires grad or belongs to a torch.func transform somewhere "
-            "other than its own closure (a global, a default argument, inside a list): it cannot "
-            "be passed as an input, so its gradient would be lost"
+            "torch.nn.utils.parametrize.cached() is active: the block's forward would fill its cache "
+            "with tensors computed below the transforms, which the code after the block reads"
         )
-    if cells:
-        # the cells are redirected while the block runs; any other path to those tensors is not
-        elsewhere = _reads.reads_of(function, skip_cells=frozenset(id(c) for c in cells)).complete()
-        lifted = {id(c.cell_contents) for c in cells}
-        if elsewhere.unseen or any(id(t) in lifted for t in elsewhere.tensors):
-            return (
-                "it reads a tensor that needs a gradient both through its own closure and another way "
-                "(a helper's closure, an object's attribute): only the closure could be redirected to "
-                "the recompute's input, so its gradient would be wrong"
-            )
-    modules = _top_level(list(reads.modules))
-    # preserve_rng_state=False would let the recompute draw other numbers (CKG107): the safe choice
-    built = Plan(function, args, kwargs, modules, context_fn, True, differentiable=True, cells=cells)
-    built.differentiable = _may_be_differentiated_again(built.inputs)
+    held = _rebind.holdings(function, args, kwargs)
+    subclass = _tensor_subclass_in(held)
+    if subclass is not None:
+        return (
+            f"it reads a {subclass.__name__}, a tensor subclass with its own __torch_function__, which "
+            "a recompute under other torch.func levels cannot pass through"
+        )
+    built = Plan(function, args, kwargs, held, context_fn)
+    lifted = set(built.input_ids)
+    if any(id(t) not in lifted and _carries_gradient(t) for t in held.unbindable):
+        return (
+            "it reads a tensor that needs a gradient through a global, which cannot be passed to "
+            "the recompute as an input (its gradient would be lost)"
+        )
+    if not built.inputs:
+        return "it reads no tensor: there is nothing to recompute"
     return built
 
 
-def _may_be_differentiated_again(inputs: Sequence[Tensor]) -> bool:
-    """Whether anything can differentiate the backward's result (see the module docstring).
+_PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
-    Outside torch.func that is eager autograd: grad mode was on when the
-    outermost transform began (``prev_grad_mode``) and a tensor the block reads
-    requires grad there (say, a module's own parameters, not detached).
+
+def _tensor_subclass_in(held: _rebind.Holdings) -> Optional[type]:
+    """A tensor type among what the block reads with a ``__torch_function__`` of its own (ExpandedWeight), if any.
+
+    Looked up on the type only: such a tensor may refuse even ``.requires_grad``.
     """
-    interpreters = _state.retrieve_all_functorch_interpreters() if _state.peek_interpreter_stack() else []
-    kinds = [i.key().name for i in interpreters]
-    if kinds.count("Grad") != 1 or any(kind in ("Jvp", "Functionalize") for kind in kinds):
-        return True
-    if _state.forward_ad._current_level >= 0:
-        return True
-    # eager grad mode around the transforms: the grad level remembers it (vmap levels keep it)
-    eager_grad_mode = bool(interpreters[kinds.index("Grad")].prev_grad_mode())
-    return eager_grad_mode and any(_base(t).requires_grad for t in inputs)
+    tensors = [*held.tensors, *held.arguments]
+    for module in held.modules:
+        tensors += [*module.__dict__["_parameters"].values(), *module.__dict__["_buffers"].values()]
+    for t in tensors:
+        kind = type(t)
+        if kind is torch.Tensor or t is None:
+            continue
+        handler = kind.__torch_function__
+        if getattr(handler, "__func__", handler) not in _PLAIN_TORCH_FUNCTIONS:
+            return kind
+    return None
+
+
+def _parametrization_cache_enabled() -> bool:
+    parametrize = sys.modules.get("torch.nn.utils.parametrize")
+    return bool(parametrize is not None and getattr(parametrize, "_cache_enabled", 0))
 
 
 def run(built: Plan) -> Any:
     """Run the block as a composable checkpoint; returns what the function returns.
 
+    Raises :class:`Refused` when the run-time proof finds the block reading a
+    tensor that needs a gradient and was not lifted: nothing of the block's
+    effect is kept then except in-place updates it made before that read (a
+    BatchNorm's running statistics, as any recompute repeats them), and the RNG
+    is as the forward found it.
+
     Never traced by dynamo: a compiled function called under a torch.func
     transform runs in dynamo's frame-by-frame mode, which would compile the
-    recompute's frames (and the block's, with its closure cells pointed at
-    the lifted inputs) and fail there.  ``torch.compile`` of code outside
+    recompute's frames and fail there.  ``torch.compile`` of code outside
     transforms never gets here (``ckpt_guard.checkpoint`` hands it torch's
     checkpoint).  Only where dynamo is loaded: importing it costs a second.
     """
@@ -494,16 +760,37 @@ _run_uncompiled: Any = None
 
 
 def _run(built: Plan) -> Any:
-    outputs = _Recompute.apply(built, *built.inputs)
+    try:
+        outputs = _Recompute.apply(built, *built.inputs)
+    except _proof.Unlifted as read:
+        built.undo_updates(built.inputs)
+        built.restore_rng()
+        raise Refused(_describe_unlifted(built, read)) from None
     return built.rebuild(outputs)
+
+
+def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:
+    tensor = read.tensor
+    path = _rebind.describe_path(built.original_function, built.args, built.kwargs, tensor)
+    if _state.is_functorch_wrapped_tensor(tensor):
+        what = "a tensor a torch.func transform is differentiating or batching"
+    else:
+        what = "a tensor that requires grad"
+    shape = tuple(_base(tensor).shape)
+    where = f"{path}" if path else f"a path the guard cannot name (shape {shape})"
+    how = "returned it" if read.operation == "returned" else f"passed it to {read.operation}"
+    return (
+        f"the block reads {what} that was not lifted into the recompute's inputs: {where}; "
+        f"it {how} at {read.site} (its gradient would have been lost)"
+    )
 
 
 def checkpoint_call(
     function: Callable[..., Any], args: tuple, kwargs: dict, *, context_fn: Any = None,
     preserve_rng_state: bool = True,
 ) -> Any:
-    """Checkpoint ``function(*args, **kwargs)`` composably; ``RuntimeError`` if that would be wrong."""
+    """Checkpoint ``function(*args, **kwargs)`` composably; :class:`Refused` if that would be wrong."""
     built = plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
     if isinstance(built, str):
-        raise RuntimeError(f"ckpt_guard: cannot checkpoint this call composably: {built}")
+        raise Refused(built)
     return run(built)

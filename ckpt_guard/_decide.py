@@ -855,12 +855,20 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
         context_fn = options.get("context_fn")
         # torch refuses keyword arguments and context_fn for the reentrant variant: leave that to it
         if not (reentrant and (kwargs or (context_fn is not None and context_fn is not _noop_context_fn))):
-            built = composable_instead(
-                reentrant, function, args, kwargs, config,
-                None if context_fn is _noop_context_fn else context_fn, options.get("preserve_rng_state", True),
+            context_fn = None if context_fn is _noop_context_fn else context_fn
+            chosen = composable_instead(
+                reentrant, function, args, kwargs, config, context_fn, options.get("preserve_rng_state", True),
             )
-            if built is not None:
-                return _composable.run(built)
+            if chosen is not None:
+                built, announce = chosen
+                try:
+                    result = _composable.run(built)
+                except _composable.Refused as refused:
+                    announce(refused.reason)  # the block reads what the recompute could not lift
+                    with forward_context_of(context_fn) or contextlib.nullcontext():
+                        return function(*args, **kwargs)
+                announce(None)
+                return result
     return original()
 
 
@@ -921,30 +929,37 @@ def composable_instead(
     site = describe_site(site_frame)
     transforms = state.transforms if state is not None else _state.transform_stack()
     variant = describe_variant(reentrant, None)
-    saving = (
-        "with a differentiable recompute: something may differentiate its result again, so "
-        "torch.func keeps the recomputed activations until the transform exits"
-        if built.differentiable else "and keeps the memory saving"
-    )
-    if anticipated:
-        action = (
-            "ran it as ckpt_guard's composable recompute (policy fallback): nothing has gone wrong, "
-            "but torch's recompute could run after this state changed; this one recomputes with the "
-            f"tensors the forward read, whenever it runs, {saving}"
-        )
-    else:
-        action = (
-            f"ran it as ckpt_guard's composable recompute instead (policy fallback): torch.func "
-            f"can transform it, {saving}"
-        )
-    for fired, fired_policy in firing or [(rule, "fallback")]:
-        _events.emit(fired.id, fired_policy, COMPOSABLE_ACTION, site, "call")
-    _warn(build_message(
-        rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
-        anticipated=anticipated, also=[other.id for other, _ in firing if other is not rule],
-        **_where(function, transforms, site_frame),
-    ), rule)
-    return built
+    also = [other.id for other, _ in firing if other is not rule]
+
+    def announce(refusal: Optional[str]) -> None:
+        """The call's one warning and its events, once it is known what ran."""
+        if refusal is not None:
+            event = "fallback: no checkpoint"
+            action = (
+                "ran it without checkpointing (policy fallback): ckpt_guard's composable recompute "
+                f"could not be used, because {refusal}"
+            )
+        elif anticipated:
+            event = COMPOSABLE_ACTION
+            action = (
+                "ran it as ckpt_guard's composable recompute (policy fallback): nothing has gone wrong, "
+                "but torch's recompute could run after this state changed; this one recomputes with the "
+                "tensors the forward read, whenever it runs, and keeps the memory saving"
+            )
+        else:
+            event = COMPOSABLE_ACTION
+            action = (
+                "ran it as ckpt_guard's composable recompute instead (policy fallback): torch.func "
+                "can transform it, and it keeps the memory saving"
+            )
+        for fired, fired_policy in firing or [(rule, "fallback")]:
+            _events.emit(fired.id, fired_policy, event, site, "call")
+        _warn(build_message(
+            rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
+            anticipated=anticipated, also=also, **_where(function, transforms, site_frame),
+        ), rule)
+
+    return built, announce
 
 
 def _swapped_parameters(function: Any) -> bool:
@@ -991,6 +1006,9 @@ def public_checkpoint(
     the scope's, else the installed one, else the environment's (default
     strict), whether or not the guard is installed.
     """
+    scoped = _scoped_config()
+    if scoped is not None and scoped.plain:  # inside a recompute: the outer one recomputes this too
+        return function(*args, **{k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS})
     options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if context_fn is not None:
         options["context_fn"] = context_fn
@@ -998,7 +1016,7 @@ def public_checkpoint(
     # a swap: seen by the guard's functional_call tracking when installed, else by its traces
     if eager and not (_swapped_parameters(function) or _state.swapped_reads(function)):
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
-    config = _scoped_config() or (_config._installed if _config._installed.active else None)
+    config = scoped or (_config._installed if _config._installed.active else None)
     if config is None:
         config = _config.build_config(None, None, read_env=True)
     # torch's own options (determinism_check, debug, ...) are for torch's checkpoint, not the block
@@ -1010,7 +1028,10 @@ def public_checkpoint(
         built.check_recompute = _partial(
             _check_composable_recompute, function, False, config, capture(function), forward_site
         )
-        return _composable.run(built)
+        try:
+            return _composable.run(built)
+        except _composable.Refused as refused:  # the run-time proof: decided below, as a plan refusal
+            built = refused.reason
     if eager:  # torch's checkpoint, guarded as any call (CKG101 if the recompute would read other tensors)
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     try:

@@ -57,7 +57,7 @@ class Row:
     fallback: str  # "ok", "wrong", "raises (by design)", "raises: <Type>: <message start>", or "n/a"
     fallback_actions: List[str] = field(default_factory=list)  # what the guard recorded under fallback
     #: what fallback ran ("checkpoint", "use_reentrant=False", "composable", "no checkpoint") and
-    #: whether the memory saving was kept ("kept", "partly", "no", "-"), measured (see fallback_ran)
+    #: whether the memory saving was kept ("kept", "no", "-"), measured (see fallback_ran)
     fallback_ran: str = ""
     fallback_saving: str = ""
     #: CheckpointCompositionWarning texts (first lines) under strict: a false alarm on a safe composition
@@ -153,14 +153,14 @@ def _run(probe: Callable[..., Any], use_reentrant: bool, mode: str, device: str)
 
 
 def _recompute_counts() -> tuple:
-    """(torch's checkpoint recomputes, composable recomputes, differentiable ones) so far."""
+    """(torch's checkpoint recomputes, composable recomputes, derivatives checkpointed in turn) so far."""
     import sys
 
     decide, composable = sys.modules.get("ckpt_guard._decide"), sys.modules.get("ckpt_guard._composable")
     return (
         decide.TORCH_RECOMPUTES[0] if decide else 0,
         composable.RECOMPUTES if composable else 0,
-        composable.DIFFERENTIABLE_RECOMPUTES if composable else 0,
+        composable.NESTED_RECOMPUTES if composable else 0,
     )
 
 
@@ -169,12 +169,11 @@ def fallback_ran(outcome: _Outcome) -> tuple:
 
     ``(ran, saving)``: ran is "checkpoint" (torch's, as asked), "use_reentrant=False",
     "composable" or "no checkpoint"; saving is "kept" (the block was recomputed in the
-    backward, so its forward kept no activations), "partly" (a differentiable composable
-    recompute: torch.func keeps its activations until the transform exits), "no" (run
-    plainly) or "-" (nothing recomputed).
+    backward, so its forward kept no activations; a backward differentiated again is
+    checkpointed in turn), "no" (run plainly) or "-" (nothing recomputed).
     """
     actions = {event.action for event in outcome.events}
-    torch_recomputes, composable_recomputes, differentiable = outcome.recomputes
+    torch_recomputes, composable_recomputes, _ = outcome.recomputes
     if "fallback: composable recompute" in actions:
         ran = "composable"
     elif "fallback: no checkpoint" in actions:
@@ -185,8 +184,6 @@ def fallback_ran(outcome: _Outcome) -> tuple:
         ran = "checkpoint"
     if ran == "no checkpoint":
         saving = "no"
-    elif differentiable:
-        saving = "partly"
     elif composable_recomputes or torch_recomputes:
         saving = "kept"
     else:

@@ -96,22 +96,45 @@ def test_public_checkpoint_vmap_forward_then_backward_outside():
     assert_all_close(got, [x2.grad, *(p.grad for p in block.parameters())])
 
 
-def test_public_checkpoint_refuses_what_it_cannot_recompute():
-    """A tensor being differentiated, held in a list: it cannot be lifted, its gradient would be lost."""
+def test_public_checkpoint_lifts_a_tensor_held_in_a_list():
+    """A tensor being differentiated, held in a list the block closes over: lifted (a copy of the list)."""
     w = torch.randn(3)
     x = torch.randn(4, 3)
 
-    def loss(weight):
+    def loss(weight, checkpointed=True):
         held = [weight]
-        return ckpt_guard.checkpoint(lambda t: (t * held[0]).sin(), x).sum()
+        block = lambda t: (t * held[0]).sin()  # noqa: E731
+        return (ckpt_guard.checkpoint(block, x) if checkpointed else block(x)).sum()
+
+    before = _composable.RECOMPUTES
+    got = grad(loss)(w)
+    assert _composable.RECOMPUTES > before
+    torch.testing.assert_close(got, grad(lambda v: loss(v, checkpointed=False))(w))
+
+
+class _ClassHeld:
+    weight = None
+
+
+def test_public_checkpoint_refuses_what_it_cannot_lift_and_names_it():
+    """A class attribute cannot be rebound for one call: the run-time proof stops the block before it
+    reads it, and the message names the tensor's path and the line that read it."""
+    x = torch.randn(4, 3)
+
+    def loss(weight):
+        _ClassHeld.weight = weight
+        try:
+            return ckpt_guard.checkpoint(lambda t: (t * _ClassHeld.weight).sin(), x).sum()
+        finally:
+            _ClassHeld.weight = None
 
     with pytest.raises(CheckpointCompositionError) as info:
-        grad(loss)(w)
+        grad(loss)(torch.randn(3))
+    message = str(info.value)
     assert info.value.rule.id == "CKG001"
-    assert (
-        "could not use its composable recompute here: it holds a tensor that requires grad or belongs "
-        "to a torch.func transform somewhere other than its own closure"
-    ) in str(info.value)
+    assert "could not use its composable recompute here: the block reads a tensor a torch.func transform" in message
+    assert "_ClassHeld.weight" in message
+    assert f"{__file__}:" in message.split("_ClassHeld.weight", 1)[1]  # the block's line that read it
 
 
 _W = torch.randn(3, 3)
@@ -218,8 +241,8 @@ def test_fallback_over_transform_stacks_matches_the_reference(transforms, use_re
         assert actions == {COMPOSABLE_ACTION}, actions  # checkpointing kept, torch.func transformed it
 
 
-def test_fallback_composable_keeps_the_memory_saving_where_nothing_differentiates_again():
-    """grad over detached parameters: a non-differentiable recompute; grad(grad): a differentiable one."""
+def test_fallback_composable_keeps_the_memory_saving_at_every_order():
+    """grad over detached parameters: one recompute; grad(grad): its backward checkpointed in turn."""
     from ckpt_guard import _composable
 
     model = _Wrapped(_block())
@@ -229,13 +252,14 @@ def test_fallback_composable_keeps_the_memory_saving_where_nothing_differentiate
     def loss(p, t):
         return functional_call(model, p, (t,))
 
-    before = (_composable.RECOMPUTES, _composable.DIFFERENTIABLE_RECOMPUTES)
+    before = (_composable.RECOMPUTES, _composable.NESTED_RECOMPUTES)
     with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="keeps the memory saving"):
         grad(loss)(params, x)
-    assert _composable.RECOMPUTES == before[0] + 1 and _composable.DIFFERENTIABLE_RECOMPUTES == before[1]
-    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="differentiable recompute"):
+    assert _composable.RECOMPUTES == before[0] + 1 and _composable.NESTED_RECOMPUTES == before[1]
+    # grad of grad: the backward is differentiated again, so it is checkpointed in turn
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="keeps the memory saving"):
         grad(lambda t: grad(lambda u: loss(params, u))(t).sum())(x)
-    assert _composable.DIFFERENTIABLE_RECOMPUTES > before[1]
+    assert _composable.NESTED_RECOMPUTES > before[1]
 
 
 class _Wrapped(torch.nn.Module):
@@ -815,23 +839,27 @@ class _Box:
 
 
 @pytest.mark.parametrize("other_path", ["a helper's closure", "an object's attribute"])
-def test_a_lifted_closure_tensor_reachable_another_way_is_refused(other_path):
-    """Only the block's own cell is redirected: a second path to the same tensor would read it
-    unlifted (before: silently wrong gradients, or torch's internal assert)."""
+def test_a_lifted_closure_tensor_reachable_another_way_is_lifted_there_too(other_path):
+    """The block's graph is rebuilt with the lifted tensor wherever it holds it (before: refused, and
+    before that silently wrong gradients, or torch's internal assert)."""
     x = torch.randn(4, 3)
 
-    def loss(w):
+    def loss(w, checkpointed=True):
         if other_path == "a helper's closure":
             helper = _make_helper(w)
         else:
             box = _Box()
             box.w = w
             helper = lambda t: t @ box.w  # noqa: E731
-        return ckpt_guard.checkpoint(lambda t: torch.tanh(t @ w + helper(t)), x).sum()
+        block = lambda t: torch.tanh(t @ w + helper(t))  # noqa: E731
+        return (ckpt_guard.checkpoint(block, x) if checkpointed else block(x)).sum()
 
-    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError) as info:
-        grad(loss)(torch.randn(3, 3))
-    assert "both through its own closure and another way" in str(info.value)
+    w = torch.randn(3, 3)
+    before = _composable.RECOMPUTES
+    with ckpt_guard.policy("strict"):
+        got = grad(loss)(w)
+    assert _composable.RECOMPUTES > before
+    torch.testing.assert_close(got, grad(lambda v: loss(v, checkpointed=False))(w))
 
 
 def test_public_checkpoint_under_a_swap_of_another_models_parameters_when_installed():

@@ -60,15 +60,19 @@ def test_ckg006_sees_a_trainable_tensor_bound_by_partial(binding):
     assert info.value.rule.id == "CKG006"
 
 
+class _ClassHeld:
+    weight = None
+
+
 def test_fallback_without_checkpointing_keeps_the_users_forward_context():
     """An autocast context_fn: bfloat16 under raw torch, and still when fallback runs the block plainly."""
-    # held in a list, the trainable weight cannot be lifted into the composable recompute
-    held = [torch.randn(8, 8, requires_grad=True)]
+    # a class attribute cannot be lifted into the composable recompute: the run-time proof refuses it
+    _ClassHeld.weight = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
     seen = []
 
     def block(u):
-        out = u @ held[0]
+        out = u @ _ClassHeld.weight
         seen.append(out.dtype)
         return out
 
@@ -385,6 +389,7 @@ def test_one_call_one_decision_one_report():
     action = events[0].action
     assert action in str(ours[0].message) or {
         "fallback: no checkpoint": "without checkpointing", "fallback: use_reentrant=False": "use_reentrant=False",
+        "fallback: composable recompute": "composable recompute",
     }[action] in str(ours[0].message)
     torch.testing.assert_close(holder.w.grad, torch.autograd.grad(block(x).sum(), holder.w)[0])
 

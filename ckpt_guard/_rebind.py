@@ -1,0 +1,647 @@
+"""Binding a block's lifted tensors where it reads them, for one thread only.
+
+The composable recompute (``_composable``) runs a block on tensors of its own
+choosing: the same values the block would read, at the torch.func level the
+recompute runs at.  This module finds those tensors and puts the chosen ones
+in their place, without anything another thread could see:
+
+* **What a block holds** (:func:`holdings`): the modules it reaches (through
+  its closures, defaults, globals, ``functools.partial``, bound methods, the
+  call's arguments, containers, dataclasses, the attributes of objects of the
+  user's classes, a module's plain attributes and forward hooks), and the
+  tensors held in places that can be rebuilt (closure cells, defaults,
+  partials, containers, dataclass fields, objects' attributes).  Globals,
+  class attributes and module namespaces cannot be rebuilt: a tensor that
+  needs a gradient and is read only through one of those is caught by the
+  run-time proof (``_proof``), never read as a constant.
+
+* **Functions and containers are rebuilt, never mutated** (:func:`rebuild`):
+  a closure gets a copy with new cells, a ``partial``, a bound method, a
+  list, dict, tuple, dataclass or object of the user's class a copy holding
+  the chosen tensors.  A copy made once at plan time also *freezes* the
+  closure cells: a loop that rebinds a variable the block closes over
+  (``m = MASKS[i]``) cannot change what the recompute reads.
+
+* **Modules are bound, never copied** (:func:`bound`): a module's identity
+  matters (hooks and forwards store state on it), so its ``_parameters`` and
+  ``_buffers`` dicts are replaced, while some thread binds them, by a
+  :class:`_Slots` dict that answers each thread from that thread's own view
+  and every other thread from the real entries.  A plain attribute of the
+  module (``m.scale = s``, a monkeypatched ``forward``, its forward-hook
+  dict) is moved into the buffers dict for that time, hidden from iteration,
+  where ``nn.Module.__getattr__`` finds it, again per thread.  When the last
+  thread leaves, the module's own dicts hold exactly what they held (the
+  same objects), plus whatever was assigned to them meanwhile.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import functools
+import threading
+import types
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from . import _reads
+
+Tensor = torch.Tensor
+Module = torch.nn.Module
+_get_ident = threading.get_ident
+
+# --------------------------------------------------------------------------
+# modules: per-thread views of their tensor slots
+
+
+class _Slots(dict):
+    """A module's ``_parameters`` / ``_buffers`` while some thread binds entries of it.
+
+    ``views``: thread id -> {name: value}; that thread reads these instead.
+    """
+
+    def __init__(self, raw: dict) -> None:
+        dict.__init__(self, raw)
+        self.views: Dict[int, dict] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        view = self.views.get(_get_ident())
+        if view is not None and key in view:
+            return view[key]
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if dict.__contains__(self, key) else default
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        view = self.views.get(_get_ident())
+        if view is not None and key in view:
+            view[key] = value  # this thread rebinds its own binding (a block's own swap)
+        else:
+            dict.__setitem__(self, key, value)
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(k, self[k]) for k in self]
+
+    def copy(self) -> dict:
+        return dict(self.items())
+
+
+class _ThreadAttribute:
+    """A data descriptor on a module's stand-in class: ``module.<name>`` per thread.
+
+    A thread that bound ``name`` reads its own value; every other thread reads
+    the module's own attribute (its ``__dict__`` entry, else the class's).
+    Being a data descriptor it wins over the instance ``__dict__``, which is
+    left untouched.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return getattr(owner.__mro__[1], self.name)
+        views = _attribute_views.get(id(obj))
+        if views:
+            view = views.get(_get_ident())
+            if view is not None and self.name in view:
+                return view[self.name]
+        found = obj.__dict__.get(self.name, _ABSENT)
+        if found is not _ABSENT:
+            return found
+        # the class's own (a method, bound), else AttributeError: then Module.__getattr__ runs
+        return getattr(super(type(obj), obj), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        views = _attribute_views.get(id(obj))
+        view = views.get(_get_ident()) if views else None
+        if view is not None and self.name in view:
+            view[self.name] = value
+        else:
+            obj.__dict__[self.name] = value
+
+    def __delete__(self, obj: Any) -> None:
+        views = _attribute_views.get(id(obj))
+        view = views.get(_get_ident()) if views else None
+        if view is not None and self.name in view:
+            del view[self.name]
+        elif obj.__dict__.pop(self.name, _ABSENT) is _ABSENT:
+            raise AttributeError(self.name)
+
+
+_install_lock = threading.Lock()
+#: (id(module), store) -> [module, the module's own dict, its _Slots stand-in, bindings using it]
+_installed: Dict[Tuple[int, str], list] = {}
+#: id(module) -> [module, its own class, {attribute name: bindings using it}]
+_stand_ins: Dict[int, list] = {}
+#: id(module) -> thread id -> {attribute name: value}
+_attribute_views: Dict[int, Dict[int, dict]] = {}
+#: (class, names) -> the stand-in class (bounded: a program binds few shapes of attributes)
+_stand_in_classes: Dict[Tuple[type, frozenset], type] = {}
+_ABSENT = object()
+
+
+def _enter(module: Module, store: str) -> _Slots:
+    """The stand-in for ``module.<store>`` (installed by the first binding; caller holds the lock)."""
+    key = (id(module), store)
+    entry = _installed.get(key)
+    if entry is None:
+        own = module.__dict__[store]
+        slots = _Slots(own)
+        module.__dict__[store] = slots
+        entry = _installed[key] = [module, own, slots, 0]
+    entry[3] += 1
+    return entry[2]
+
+
+def _leave(module: Module, store: str) -> None:
+    key = (id(module), store)
+    entry = _installed[key]
+    entry[3] -= 1
+    if entry[3]:
+        return
+    del _installed[key]
+    _, own, slots, _ = entry
+    own.clear()
+    own.update(dict.items(slots))  # the module's own dict again: same object, current entries
+    module.__dict__[store] = own
+
+
+def _stand_in_class(cls: type, names: frozenset) -> type:
+    found = _stand_in_classes.get((cls, names))
+    if found is None:
+        if len(_stand_in_classes) >= 256:
+            _stand_in_classes.clear()
+        namespace: Dict[str, Any] = {name: _ThreadAttribute(name) for name in names}
+        namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+        found = _stand_in_classes[(cls, names)] = type(cls.__name__, (cls,), namespace)
+    return found
+
+
+def _bind_attributes(module: Module, names: List[str], delta: int) -> None:
+    """Count ``names`` as bound (``delta`` 1) or not (-1) on ``module``; its class follows (caller holds the lock)."""
+    entry = _stand_ins.get(id(module))
+    if entry is None:
+        entry = _stand_ins[id(module)] = [module, type(module), {}]
+    counts = entry[2]
+    for name in names:
+        counts[name] = counts.get(name, 0) + delta
+        if not counts[name]:
+            del counts[name]
+    if counts:
+        object.__setattr__(module, "__class__", _stand_in_class(entry[1], frozenset(counts)))
+    else:
+        object.__setattr__(module, "__class__", entry[1])
+        del _stand_ins[id(module)]
+
+
+Binding = Tuple[Module, str, str, Any]  # (module, "_parameters" | "_buffers" | "__dict__", name, value)
+
+
+@contextlib.contextmanager
+def bound(bindings: List[Binding]) -> Iterator[None]:
+    """This thread reads each binding's value at ``module.<name>``; others read the module's own."""
+    if not bindings:
+        yield
+        return
+    thread = _get_ident()
+    stores: List[Tuple[Module, str]] = []
+    attributes: Dict[int, Tuple[Module, List[str]]] = {}
+    seen = set()
+    for module, store, name, _ in bindings:
+        if store == "__dict__":
+            attributes.setdefault(id(module), (module, []))[1].append(name)
+        elif (id(module), store) not in seen:
+            seen.add((id(module), store))
+            stores.append((module, store))
+    with _install_lock:
+        for module, store in stores:
+            _enter(module, store)
+        for module, names in attributes.values():
+            _bind_attributes(module, names, 1)
+    previous = []
+    try:
+        for module, store, name, value in bindings:
+            if store == "__dict__":
+                views = _attribute_views.setdefault(id(module), {})
+            else:
+                views = module.__dict__[store].views
+            view = views.get(thread)
+            if view is None:
+                view = views[thread] = {}
+            previous.append((views, view, name, view.get(name, _ABSENT)))
+            view[name] = value
+        yield
+    finally:
+        for views, view, name, was in reversed(previous):
+            if was is _ABSENT:
+                view.pop(name, None)
+            else:
+                view[name] = was
+            if not view:
+                views.pop(thread, None)
+        with _install_lock:
+            for module, names in attributes.values():
+                _bind_attributes(module, names, -1)
+                if id(module) not in _stand_ins:
+                    _attribute_views.pop(id(module), None)
+            for module, store in stores:
+                _leave(module, store)
+
+
+# --------------------------------------------------------------------------
+# what a block holds, and the same graph rebuilt with other tensors
+
+#: the attributes every ``nn.Module`` has (torch's bookkeeping): not user attributes
+_MODULE_INTERNALS = frozenset(vars(Module()))
+#: ... of which these hold the user's forward hooks, which run as part of the block
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _user_function(value: Any) -> bool:
+    return isinstance(value, types.FunctionType) and (
+        (getattr(value, "__module__", None) or "").split(".")[0] not in _reads._LIBRARY_ROOTS
+    )
+
+
+class _Rebuild:
+    """One pass over a block's graph: rebuilding it with ``swap``'s tensors, optionally recording what it meets."""
+
+    def __init__(self, swap: Dict[int, Any], visit: Optional[Callable[[Any, bool], None]] = None) -> None:
+        self.swap = swap
+        self.visit = visit  # visit(tensor_or_module, bindable)
+        self.memo: Dict[int, Tuple[Any, bool]] = {}
+        self.budget = _reads.BUDGET
+        self.exhausted = False
+
+    def __call__(self, obj: Any) -> Tuple[Any, bool]:
+        """``(obj rebuilt, whether a swapped tensor is inside)``."""
+        key = id(obj)
+        done = self.memo.get(key)
+        if done is not None:
+            return done
+        if isinstance(obj, Tensor):
+            if self.visit is not None:
+                self.visit(obj, True)
+            new = self.swap.get(key, _ABSENT)
+            result = (obj, False) if new is _ABSENT else (new, True)
+            self.memo[key] = result
+            return result
+        if isinstance(obj, Module):
+            if self.visit is not None:
+                self.visit(obj, True)
+            self.memo[key] = (obj, False)
+            return obj, False
+        if isinstance(obj, types.BuiltinMethodType) and isinstance(getattr(obj, "__self__", None), Tensor):
+            owner, changed = self(obj.__self__)  # checkpoint(w.add, x): the method of the lifted tensor
+            result = (getattr(owner, obj.__name__), True) if changed else (obj, False)
+            self.memo[key] = result
+            return result
+        if isinstance(obj, _reads._PLAIN) and not isinstance(obj, (types.FunctionType, functools.partial)):
+            return obj, False
+        self.budget -= 1
+        if self.budget < 0:
+            self.exhausted = True
+            return obj, False
+        self.memo[key] = (obj, False)  # a cycle leads back to the original
+        try:
+            result = self._rebuild(obj)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied stays as it is (the proof watches)
+            result = (obj, False)
+        self.memo[key] = result
+        return result
+
+    def _rebuild(self, obj: Any) -> Tuple[Any, bool]:
+        if isinstance(obj, types.FunctionType):
+            return self._function(obj)
+        if isinstance(obj, functools.partial):
+            func, f_changed = self(obj.func)
+            args, a_changed = self._sequence(obj.args)
+            keywords = {}
+            k_changed = False
+            for name, value in obj.keywords.items():
+                keywords[name], changed = self(value)
+                k_changed = k_changed or changed
+            if func is obj.func and not (a_changed or k_changed):
+                return obj, False
+            return functools.partial(func, *args, **keywords), f_changed or a_changed or k_changed
+        if type(obj) is types.MethodType:
+            func, f_changed = self(obj.__func__)
+            owner, o_changed = self(obj.__self__)
+            if func is obj.__func__ and owner is obj.__self__:
+                return obj, False
+            return types.MethodType(func, owner), f_changed or o_changed
+        if isinstance(obj, tuple):
+            items, changed = self._sequence(obj)
+            if not changed:
+                return obj, False
+            return (type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)), True
+        if isinstance(obj, list):
+            items, changed = self._sequence(obj)
+            if not changed:
+                return obj, False
+            new = copy.copy(obj)
+            new[:] = items
+            return new, True
+        if isinstance(obj, dict):
+            if len(obj) > self.budget:
+                self.exhausted = True
+                return obj, False
+            changes = {}
+            for k, v in obj.items():
+                new_v, changed = self(v)
+                if changed:
+                    changes[k] = new_v
+            if not changes:
+                return obj, False
+            new = copy.copy(obj)
+            new.update(changes)
+            return new, True
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            changes = {}
+            for field in dataclasses.fields(obj):
+                new_v, changed = self(getattr(obj, field.name))
+                if changed:
+                    changes[field.name] = new_v
+            return self._with_attributes(obj, changes)
+        if _reads._opaque(obj) and not isinstance(obj, (type, types.ModuleType)):
+            attributes = getattr(obj, "__dict__", None)
+            if not isinstance(attributes, dict):
+                return obj, False
+            changes = {}
+            for k, v in list(attributes.items()):
+                new_v, changed = self(v)
+                if changed:
+                    changes[k] = new_v
+            return self._with_attributes(obj, changes)
+        return obj, False
+
+    def _sequence(self, items: Any) -> Tuple[list, bool]:
+        if len(items) > self.budget:
+            self.exhausted = True
+            return list(items), False
+        out, any_changed = [], False
+        for item in items:
+            new, changed = self(item)
+            out.append(new)
+            any_changed = any_changed or changed
+        return out, any_changed
+
+    def _function(self, function: types.FunctionType) -> Tuple[Any, bool]:
+        """A copy with new closure cells (frozen: later rebinding is not seen) and defaults."""
+        any_changed = False
+        cells = function.__closure__
+        new_cells = None
+        if cells:
+            new_cells = []
+            for cell in cells:
+                try:
+                    content = cell.cell_contents
+                except ValueError:  # an empty cell (a name assigned later)
+                    new_cells.append(cell)
+                    continue
+                new, changed = self(content)
+                any_changed = any_changed or changed
+                new_cells.append(types.CellType(new))
+        defaults, d_changed = self._sequence(function.__defaults__ or ())
+        kwdefaults = dict(function.__kwdefaults__ or {})
+        k_changed = False
+        for name, value in list(kwdefaults.items()):
+            kwdefaults[name], changed = self(value)
+            k_changed = k_changed or changed
+        if self.visit is not None and _user_function(function):  # its globals: found, not bindable
+            namespace = function.__globals__
+            for name in _reads._global_names(function.__code__):
+                if name in namespace:
+                    self._visit_unbindable(namespace[name])
+        if not cells and not (d_changed or k_changed):
+            return function, False
+        copied = types.FunctionType(
+            function.__code__, function.__globals__, function.__name__,
+            tuple(defaults) if function.__defaults__ is not None else None,
+            tuple(new_cells) if new_cells is not None else None,
+        )
+        copied.__kwdefaults__ = kwdefaults or function.__kwdefaults__
+        copied.__dict__.update(function.__dict__)
+        copied.__qualname__ = function.__qualname__
+        copied.__module__ = function.__module__
+        copied.__doc__ = function.__doc__
+        return copied, any_changed or d_changed or k_changed
+
+    def _visit_unbindable(self, value: Any) -> None:
+        """A global: its modules are still bound (through the module itself), its tensors are not."""
+        if isinstance(value, Module) or _user_function(value) or isinstance(value, (functools.partial, types.MethodType)):
+            self(value)
+        elif isinstance(value, Tensor) and self.visit is not None:
+            self.visit(value, False)
+        elif isinstance(value, (list, tuple, dict)) and len(value) <= self.budget:
+            for item in (value.values() if isinstance(value, dict) else value):
+                if isinstance(item, Module):
+                    self(item)
+                elif isinstance(item, Tensor) and self.visit is not None:
+                    self.visit(item, False)
+
+    @staticmethod
+    def _with_attributes(obj: Any, changes: dict) -> Tuple[Any, bool]:
+        if not changes:
+            return obj, False
+        new = copy.copy(obj)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        return new, True
+
+
+def rebuild(obj: Any, swap: Dict[int, Any], memo: Optional[_Rebuild] = None) -> Any:
+    """``obj`` with every tensor in ``swap`` (by id) replaced where it is held (a copy where needed)."""
+    return (memo or _Rebuild(swap))(obj)[0]
+
+
+def module_attributes(module: Module) -> Iterator[Tuple[str, Any]]:
+    """A module's own attributes that a block may read besides parameters, buffers and submodules."""
+    for name, value in module.__dict__.items():
+        if name in _MODULE_INTERNALS and name not in _FORWARD_HOOKS:
+            continue
+        yield name, value
+
+
+@dataclasses.dataclass
+class Holdings:
+    """What a block holds (see the module docstring).  ``frozen``: the block with its cells frozen."""
+
+    frozen: Any
+    modules: List[Module]
+    tensors: List[Tensor]  # held by the function in bindable places (cells, containers, ...)
+    arguments: List[Tensor]  # in the call's arguments (any depth)
+    unbindable: List[Tensor]  # held only where no copy can reach (globals, class attributes)
+    #: (module, name, value): plain module attributes that are tensors or may reach one
+    attributes: List[Tuple[Module, str, Any]]
+    exhausted: bool  # the walk ran out of budget: what lies past it is left to the proof
+
+
+def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
+    """Walk ``function`` and the call's arguments (see the module docstring)."""
+    modules: Dict[int, Module] = {}
+    unbindable: Dict[int, Tensor] = {}
+
+    def visitor(tensors: Dict[int, Tensor]) -> Callable[[Any, bool], None]:
+        def visit(obj: Any, bindable: bool) -> None:
+            if isinstance(obj, Module):
+                modules.setdefault(id(obj), obj)
+            else:
+                (tensors if bindable else unbindable).setdefault(id(obj), obj)
+        return visit
+
+    held: Dict[int, Tensor] = {}
+    given: Dict[int, Tensor] = {}
+    walk = _Rebuild({}, visitor(held))
+    frozen, _ = walk(function)
+    arguments = _Rebuild({}, visitor(given))
+    arguments((args, kwargs))
+    attributes: List[Tuple[Module, str, Any]] = []
+    done: set = set()
+    todo = list(modules.values())
+    while todo:
+        root = todo.pop()
+        for owner in root.modules():
+            if id(owner) in done:
+                continue
+            done.add(id(owner))
+            modules.setdefault(id(owner), owner)
+            for name, value in module_attributes(owner):
+                if isinstance(value, Tensor):
+                    attributes.append((owner, name, value))
+                    continue
+                if isinstance(value, _reads._PLAIN) and not isinstance(value, (types.FunctionType, functools.partial)):
+                    continue
+                if name in _FORWARD_HOOKS and not value:
+                    continue
+                known = len(modules)
+                walk(value)
+                attributes.append((owner, name, value))
+                todo.extend(list(modules.values())[known:])
+    return Holdings(
+        frozen, list(modules.values()), list(held.values()), list(given.values()),
+        [t for k, t in unbindable.items() if k not in held and k not in given], attributes,
+        walk.exhausted or arguments.exhausted,
+    )
+
+
+# --------------------------------------------------------------------------
+# naming a tensor by the path a user would recognise (messages only: may be slow)
+
+
+def describe_path(function: Any, args: tuple, kwargs: dict, target: Any) -> Optional[str]:
+    """``"closure of <lambda> (train.py:41) → P['l1']['w']"``, or None if no path is found."""
+    queue: Deque[Tuple[Any, str]] = collections.deque([(function, _root_name(function))])
+    queue.extend((a, f"argument {i}") for i, a in enumerate(args))
+    queue.extend((v, f"keyword argument {k}") for k, v in kwargs.items())
+    seen: set = set()
+    budget = _reads.BUDGET * 4
+    while queue and budget > 0:
+        obj, path = queue.popleft()
+        if obj is target:
+            return path
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        budget -= 1
+        try:
+            queue.extend(_labelled_children(obj, path))
+        except Exception:  # noqa: BLE001 - messages only: an object that resists is skipped
+            continue
+    return None
+
+
+def _root_name(function: Any) -> str:
+    code = getattr(function, "__code__", None)
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    if isinstance(code, types.CodeType):
+        return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+    return name
+
+
+def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
+    if isinstance(obj, Tensor):
+        return
+    if isinstance(obj, Module):
+        for store in ("_parameters", "_buffers", "_modules"):
+            for name, value in obj.__dict__[store].items():
+                yield value, f"{path}.{name}"
+        for name, value in module_attributes(obj):
+            if name in _FORWARD_HOOKS:
+                for hook in value.values():
+                    yield hook, f"{path} forward hook {getattr(hook, '__qualname__', hook)!s}"
+            else:
+                yield value, f"{path}.{name}"
+        yield from _class_attributes(type(obj), path)
+        return
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+            try:
+                yield cell.cell_contents, f"{path} → {name}"
+            except ValueError:
+                continue
+        for i, value in enumerate(obj.__defaults__ or ()):
+            yield value, f"{path} → default {i}"
+        for name in _reads._global_names(code):
+            if name in obj.__globals__:
+                yield obj.__globals__[name], f"global {name} of {obj.__module__}"
+        return
+    if isinstance(obj, functools.partial):
+        yield obj.func, path
+        for i, value in enumerate(obj.args):
+            yield value, f"{path} (bound argument {i})"
+        for name, value in obj.keywords.items():
+            yield value, f"{path} (bound {name}=)"
+        return
+    if isinstance(obj, (types.MethodType, types.BuiltinMethodType)):
+        owner = getattr(obj, "__self__", None)
+        if isinstance(owner, type):
+            yield from _class_attributes(owner, owner.__qualname__)
+        elif owner is not None:
+            yield owner, f"{path} (its object)"
+        if isinstance(obj, types.MethodType):
+            yield obj.__func__, f"{path}"
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield v, f"{path}[{k!r}]"
+        return
+    if isinstance(obj, (list, tuple)):
+        fields = getattr(obj, "_fields", None)
+        for i, v in enumerate(obj):
+            yield v, f"{path}.{fields[i]}" if fields else f"{path}[{i}]"
+        return
+    if isinstance(obj, type):
+        yield from _class_attributes(obj, obj.__qualname__)
+        return
+    if isinstance(obj, types.ModuleType):
+        if (obj.__name__ or "").split(".")[0] not in _reads._LIBRARY_ROOTS:
+            for name, value in vars(obj).items():
+                yield value, f"{obj.__name__}.{name}"
+        return
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict) and _reads._opaque(obj):
+        for name, value in attributes.items():
+            yield value, f"{path}.{name}"
+        yield from _class_attributes(type(obj), f"{type(obj).__qualname__}")
+
+
+def _class_attributes(cls: type, path: str) -> Iterator[Tuple[Any, str]]:
+    """The class attributes of the user's classes (not torch's or the standard library's)."""
+    for klass in cls.__mro__:
+        if (klass.__module__ or "").split(".")[0] in _reads._LIBRARY_ROOTS:
+            continue
+        for name, value in vars(klass).items():
+            if not name.startswith("__"):
+                yield (value.__func__ if isinstance(value, (classmethod, staticmethod)) else value), f"{klass.__qualname__}.{name}"

@@ -1,0 +1,330 @@
+"""The composable recompute on programs that crashed it, fooled it, or raced it.
+
+Differential, as everywhere: each program's result with ``ckpt_guard.checkpoint``
+(strict, the default, and fallback) and with torch's checkpoint under fallback,
+against the same program without checkpointing.  Correct, or (strict only) a
+``CheckpointCompositionError`` naming the rule; never a wrong number.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, _composable
+
+pytestmark = pytest.mark.usefixtures("guard")
+
+
+def plain(function, *args):
+    return function(*args)
+
+
+def torch_checkpoint(function, *args):
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+ENTRIES = {"public strict": ("strict", ckpt_guard.checkpoint), "public fallback": ("fallback", ckpt_guard.checkpoint),
+           "torch fallback": ("fallback", torch_checkpoint)}
+
+
+def _leaves(value):
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def assert_right_or_refused(program, entry, refusable=True):
+    """``program(ckpt)`` equals ``program(plain)``; strict may refuse instead (if ``refusable``)."""
+    reference = _leaves(program(plain))
+    policy, ckpt = ENTRIES[entry]
+    try:
+        with ckpt_guard.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = _leaves(program(ckpt))
+    except CheckpointCompositionError:
+        assert policy == "strict" and refusable, "refused where it should have run"
+        return None
+    assert len(got) == len(reference)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+    return got
+
+
+# --------------------------------------------------------------------------
+# programs that crashed the recompute (they run without checkpointing)
+
+
+def _seeded(module_factory):
+    torch.manual_seed(0)
+    return module_factory()
+
+
+DROPOUT = _seeded(lambda: torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5)).train())
+GRU = _seeded(lambda: torch.nn.GRU(3, 3, batch_first=True))
+EVAL_BN = _seeded(lambda: torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).eval())
+LINEAR = _seeded(lambda: torch.nn.Linear(3, 3))
+X = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+XS = torch.randn(1, 2, 3, generator=torch.Generator().manual_seed(2))
+
+
+def _dropout_jacrev(ckpt):
+    torch.manual_seed(3)
+    return jacrev(lambda t: ckpt(DROPOUT, t))(X)
+
+
+def _dropout_vmap_over_pullback(ckpt):
+    torch.manual_seed(3)
+    _, pullback = vjp(lambda t: ckpt(DROPOUT, t), X)
+    return vmap(pullback)(torch.eye(6).reshape(6, 2, 3))
+
+
+def _gru(transform):
+    def program(ckpt):
+        return transform(lambda t: ckpt(lambda u: GRU(u)[0], t).sum())(XS)
+    return program
+
+
+def _eval_bn(transform):
+    def program(ckpt):
+        return transform(lambda t: ckpt(EVAL_BN, t).pow(2).sum())(X)
+    return program
+
+
+def _nested_under_hessian(ckpt):
+    return hessian(lambda t: ckpt(lambda u: ckpt(LINEAR, u).tanh(), t).pow(2).sum())(X)
+
+
+CRASHED = {
+    "dropout under jacrev": _dropout_jacrev,
+    "dropout, vmap over a vjp pullback": _dropout_vmap_over_pullback,
+    "GRU under jacfwd": _gru(jacfwd),
+    "GRU under hessian": _gru(hessian),
+    "eval BatchNorm under jvp": _eval_bn(lambda f: lambda x: jvp(f, (x,), (torch.ones_like(x),))),
+    "eval BatchNorm under jacfwd": _eval_bn(jacfwd),
+    "eval BatchNorm under hessian": _eval_bn(hessian),
+    "a checkpoint nested in another under hessian": _nested_under_hessian,
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("name", list(CRASHED))
+def test_programs_that_crashed_the_recompute_are_right(name, entry):
+    assert assert_right_or_refused(CRASHED[name], entry, refusable=False) is not None
+
+
+def test_train_batchnorm_buffers_as_transform_inputs_update_once():
+    """Buffers passed to functional_call under grad: the gradients are right and the running
+    statistics are updated once, as without checkpointing (the recompute updates a copy)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).train()
+
+    class Outer(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.net, self.ckpt = net, ckpt
+
+        def forward(self, t):
+            return self.ckpt(self.net, t)
+
+    params = {"net." + k: v.detach() for k, v in net.named_parameters()}
+
+    def program(ckpt):
+        buffers = {"net." + k: v.clone() for k, v in net.named_buffers()}
+        grads = grad(lambda p, b: functional_call(Outer(ckpt), (p, b), (X,)).pow(2).sum())(params, buffers)
+        return [*grads.values(), *buffers.values()]
+
+    for entry in ENTRIES:
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+def test_expanded_weights_fall_back_to_torchs_checkpoint():
+    """Per-sample gradients with ExpandedWeights (Opacus' "ew" mode): a tensor subclass with its own
+    __torch_function__ is not lifted; torch's checkpoint handles it (before: an error from the
+    recompute's own dtype check)."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    class Net(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.lin, self.ckpt = torch.nn.Linear(3, 2), ckpt
+
+        def forward(self, x):
+            return self.ckpt(self.lin, x)
+
+    def program(ckpt):
+        torch.manual_seed(0)
+        net = Net(ckpt)
+        call_for_per_sample_grads(net)(torch.randn(4, 3, generator=torch.Generator().manual_seed(5))).sum().backward()
+        return [p.grad_sample for p in net.parameters()]
+
+    for entry in ENTRIES:
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+# --------------------------------------------------------------------------
+# the block's forward runs as it would without checkpointing
+
+
+def test_transformer_encoder_takes_the_same_path_as_without_checkpointing():
+    """An eval nn.TransformerEncoder with a padding mask takes its fast path only with grad off or
+    nothing requiring grad; under vjp / grad the reference takes the slow path, and so must the
+    checkpointed forward (before, run under no_grad, it took the fast path: padded rows 0.0)."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8)
+    mask = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    params = {k: v.detach() for k, v in encoder.named_parameters()}
+
+    def model(p, t, ckpt):
+        return ckpt(lambda u: functional_call(encoder, p, (u,), {"src_key_padding_mask": mask}), t)
+
+    programs = {
+        "vjp": lambda ckpt: vjp(lambda t: model(params, t, ckpt), x)[0],
+        "grad": lambda ckpt: grad(lambda p: model(p, x, ckpt).pow(2).sum())(params),
+    }
+    for program in programs.values():
+        for entry in ENTRIES:
+            assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+def test_parametrization_cache_is_refused_not_filled_below_the_transforms():
+    """parametrize.cached(): the block's forward would cache a weight computed below the transform,
+    and the code after the block would read it as a constant (a zero gradient).  Refused: strict
+    raises, fallback runs the block plainly."""
+    import torch.nn.utils.parametrize as parametrize
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w + w.T
+
+    parametrize.register_parametrization(lin, "weight", Symmetric())
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+
+    def program(ckpt):
+        def loss(p):
+            with parametrize.cached():
+                return (functional_call(lin, p, (X,)) + ckpt(lambda t: functional_call(lin, p, (t,)), X)).pow(2).sum()
+
+        return grad(loss)(params)
+
+    assert assert_right_or_refused(program, "public strict") is None  # refused
+    for entry in ("public fallback", "torch fallback"):
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+# --------------------------------------------------------------------------
+# threads
+
+
+def test_two_threads_on_one_module_never_see_each_others_tensors():
+    """Both threads inside their blocks at once (a barrier in the block forces it, in the forward
+    and in the recompute): each gets its own gradients, and the module keeps its own Parameters
+    (before: wrong gradients or "does not require grad", and the module left holding plain tensors)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    own = list(lin.parameters())
+    barrier = threading.Barrier(2, timeout=30)
+    entered: list = []
+
+    def block(t):
+        out = lin(t)
+        entered.append(threading.get_ident())
+        barrier.wait()  # the other thread is inside its own block now, with its own bindings
+        if entered[-1] == threading.get_ident():
+            time.sleep(0.2)  # the later one leaves later: a swap it made over the other's is undone last
+        return torch.tanh(out)
+
+    def per_thread(seed, ckpt):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(seed))
+        return grad(lambda t: ckpt(block, t).pow(2).sum())(x)
+
+    results = {}
+
+    def worker(seed):
+        try:
+            results[seed] = per_thread(seed, ckpt_guard.checkpoint)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[seed] = exc
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    barrier = threading.Barrier(1)  # the reference runs one thread at a time
+    entered.clear()
+    for seed in (1, 2):
+        assert not isinstance(results[seed], BaseException), results[seed]
+        torch.testing.assert_close(results[seed], per_thread(seed, plain))
+    assert list(lin.parameters()) == own and all(type(p) is torch.nn.Parameter for p in lin.parameters())
+    assert type(lin) is torch.nn.Linear and type(lin._parameters) is dict
+
+
+def test_a_module_that_sets_its_fast_weights_when_called():
+    """higher.monkeypatch's way: the patched module writes plain (non-leaf) fast weights into
+    _parameters when called, then runs its forward, which checkpoints a submodule; first order,
+    autograd.grad over the fast weights, no install() (before: their gradients were None)."""
+    torch.manual_seed(0)
+
+    class Patched(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.a = torch.nn.Linear(2, 2)
+            self.ckpt = ckpt
+
+        def forward(self, x, params):
+            for name, value in zip(("weight", "bias"), params):
+                self.a._parameters[name] = value  # what higher's patched forward does
+            return self.ckpt(self.a, x).pow(2).sum()
+
+    x = torch.randn(3, 2)
+
+    def program(ckpt):
+        torch.manual_seed(0)
+        net = Patched(ckpt)
+        fast = [p * 1.0 for p in net.a.parameters()]
+        return torch.autograd.grad(net(x, fast), fast)
+
+    ckpt_guard.uninstall()
+    try:
+        assert assert_right_or_refused(program, "public strict", refusable=False) is not None
+    finally:
+        ckpt_guard.install("strict", rules={})
+
+
+def test_higher_monkeypatch_end_to_end():
+    higher = pytest.importorskip("higher", reason="higher is not installed (pip install higher)")
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.a, self.ckpt = torch.nn.Linear(2, 2), ckpt
+
+        def forward(self, x):
+            return self.ckpt(self.a, x).sum()
+
+    x = torch.randn(3, 2)
+
+    def program(ckpt):
+        torch.manual_seed(0)
+        net = Net(ckpt)
+        fnet = higher.monkeypatch(net, copy_initial_weights=False)
+        fast = [p * 1.0 for p in net.parameters()]
+        return torch.autograd.grad(fnet(x, params=fast), fast)
+
+    ckpt_guard.uninstall()
+    try:
+        assert assert_right_or_refused(program, "public strict", refusable=False) is not None
+    finally:
+        ckpt_guard.install("strict", rules={})
