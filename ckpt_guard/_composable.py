@@ -51,6 +51,7 @@ recompute already recomputes them).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -121,6 +122,10 @@ SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 RECOMPUTES = 0
 NESTED_RECOMPUTES = 0
 
+#: The run-time proof runs on every first forward.  ``benchmarks/proof.py`` switches it off
+#: to measure what it costs; nothing else may (without it a wrong gradient goes unnoticed).
+PROOF = True
+
 
 class Plan:
     """One composable checkpoint call: what is lifted, how to run the block on it, how to replay it."""
@@ -128,24 +133,22 @@ class Plan:
     def __init__(
         self, function: Callable[..., Any], args: tuple, kwargs: dict, held: _rebind.Holdings, context_fn: Any,
     ) -> None:
+        #: the call as made (for messages); :meth:`release` drops it once the forward has run
         self.original_function, self.args, self.kwargs = function, args, kwargs
-        self.function = held.frozen  # its closures frozen (see the module docstring)
-        #: (module, store, name, tensor): every parameter, buffer and plain tensor attribute
-        self.slots: List[Tuple[Any, str, str, Tensor]] = []
+        slots = []  # (module, store, name, tensor): every parameter, buffer and plain tensor attribute
         for module in held.modules:
             for store in ("_parameters", "_buffers"):
                 for name, tensor in module.__dict__[store].items():
                     if isinstance(tensor, Tensor):
-                        self.slots.append((module, store, name, tensor))
-        #: (module, name, value): plain attributes that may hold a lifted tensor (rebuilt per call)
-        self.attributes: List[Tuple[Any, str, Any]] = []
+                        slots.append((module, store, name, tensor))
+        attributes = []
         for module, name, value in held.attributes:
             if isinstance(value, Tensor):
-                self.slots.append((module, "__dict__", name, value))
+                slots.append((module, "__dict__", name, value))
             else:
-                self.attributes.append((module, name, value))
+                attributes.append((module, name, value))
         inputs: dict = {}
-        for *_, tensor in self.slots:
+        for *_, tensor in slots:
             inputs.setdefault(id(tensor), tensor)
         for tensor in held.tensors:
             if _carries_gradient(tensor):
@@ -153,7 +156,22 @@ class Plan:
         for tensor in held.arguments:
             inputs.setdefault(id(tensor), tensor)
         self.inputs: Tuple[Tensor, ...] = tuple(inputs.values())
-        self.input_ids = [id(t) for t in self.inputs]
+        # The block as a graph with holes where the inputs go: the plan lives as long as the
+        # backward may run, and must not hold the call's tensors (nor the graphs they hold).
+        index = {key: i for i, key in enumerate(inputs)}
+        template = _rebind._Rebuild({key: _rebind.Hole(i) for key, i in index.items()})
+        self.function = template(held.frozen)[0]  # its closures frozen (see the module docstring)
+        self.call_args = template((args, kwargs))[0]
+        #: (module, store, name, input index)
+        self.slots = [(module, store, name, index[id(tensor)]) for module, store, name, tensor in slots]
+        #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
+        #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
+        #: forward still runs in the recompute, as it ran in the forward)
+        self.attributes = [
+            (module, name, template(collections.OrderedDict(value) if hooks else value)[0], hooks)
+            for module, name, value in attributes
+            for hooks in [name in _rebind._FORWARD_HOOKS]
+        ]
         self.grad_mode = torch.is_grad_enabled()
         #: inputs that required grad at the call: the forward makes them require grad too
         self.needs = [t.requires_grad and _differentiable_dtype(t) for t in self.inputs]
@@ -179,23 +197,27 @@ class Plan:
         #: a torch.device(...) context's device at the call: the Function's forward
         #: runs without function modes, so it is re-entered there and in the recompute
         self.default_device: Any = _state.forward_device_context()
-        #: called before every recompute; raises for a drift the recompute cannot
-        #: undo (a train/eval switch, an optimizer step: see ``_decide``)
-        self.check_recompute: Callable[[], None] = lambda: None
+        #: called before every recompute; raises for a drift the recompute cannot undo (an
+        #: optimizer step), or returns fallback's replays (a train/eval switch: see ``_decide``)
+        self.check_recompute: Callable[[], Any] = lambda: None
 
     # -- running the block on a given set of input tensors
 
+    def release(self) -> None:
+        """Forget the call's own objects once the forward has run (the recompute uses the holes)."""
+        self.original_function = self.args = self.kwargs = None
+        self.inputs = ()
+
     def call(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Any:
-        swap = dict(zip(self.input_ids, tensors))
-        rebuild = _rebind._Rebuild(swap)
-        bindings = [(module, store, name, swap[id(tensor)]) for module, store, name, tensor in self.slots]
-        for module, name, value in self.attributes:
+        rebuild = _rebind._Rebuild({}, fill=tensors)
+        bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
+        for module, name, value, always in self.attributes:
             new, changed = rebuild(value)
-            if changed:
+            if changed or always:
                 bindings.append((module, "__dict__", name, new))
         with _rebind.bound(bindings):
             function = rebuild(self.function)[0]
-            args, kwargs = rebuild((self.args, self.kwargs))[0]
+            args, kwargs = rebuild(self.call_args)[0]
             if check is None:
                 return function(*args, **kwargs)
             check.given(tensors)
@@ -204,10 +226,15 @@ class Plan:
             check.check_outputs(_output_tensors(output))
             return output
 
-    def pure(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Tuple[Tensor, ...]:
-        """The block as a function of its input tensors to its output tensors (for vjp / jvp)."""
+    def pure(
+        self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None, first: bool = False,
+    ) -> Tuple[Tensor, ...]:
+        """The block as a function of its input tensors to its output tensors (for vjp / jvp).
+
+        ``first``: the forward, which remembers the output's structure.
+        """
         output = self.call(tensors, check)
-        if check is not None:  # the forward: remember the output's structure
+        if first:
             self.output_template = output
             found = _output_tensors(output)
             self.output_ids = [id(t) for t in found]
@@ -227,7 +254,7 @@ class Plan:
                 # storage"). Its policy only chooses what to keep: recomputing all is correct.
                 forward_context, self.recompute_context = contextlib.nullcontext(), contextlib.nullcontext()
         device_context = contextlib.nullcontext() if self.default_device is None else torch.device(self.default_device)
-        check = None if self.checked else _proof.ReadCheck(tensors)
+        check = None if self.checked or not PROOF else _proof.ReadCheck(tensors)
         self.versions = [_version(t) for t in tensors]
         self.check = check
         given = [t.detach() for t in tensors]  # new objects: a read of the original is not a read of these
@@ -241,10 +268,10 @@ class Plan:
                     with _enable_inplace_requires_grad(True):
                         for i in needed:
                             wrapped[i].requires_grad_()
-                    outputs = tuple(_unwrap_for_grad(o, level) for o in self.pure(wrapped, check))
+                    outputs = tuple(_unwrap_for_grad(o, level) for o in self.pure(wrapped, check, first=True))
             else:
                 with torch.set_grad_enabled(self.grad_mode):
-                    outputs = self.pure(given, check)
+                    outputs = self.pure(given, check, first=True)
         self.checked = True
         if check is not None:  # what the block updated in place: the recompute starts from the forward's values
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
@@ -320,9 +347,11 @@ class Plan:
     @contextlib.contextmanager
     def replay(self) -> Any:
         """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute."""
-        self.check_recompute()
+        replays = self.check_recompute() or ()
         device_type, device_autocast, cpu_autocast = self.autocast
         with contextlib.ExitStack() as stack:
+            for replay in replays:  # fallback: a module's train/eval mode as in the forward
+                stack.enter_context(replay)
             stack.enter_context(_default_dtype(self.default_dtype))
             if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
                 stack.enter_context(torch.device(self.default_device))
@@ -508,7 +537,7 @@ def _unexpanded(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------
 # will anything differentiate this backward (or these tangents) again?
 
-_GRAD, _JVP = "Grad", "Jvp"
+_GRAD = "Grad"
 
 
 def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
@@ -522,19 +551,25 @@ def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
     return level
 
 
-def _differentiated_again(saved: Sequence[Tensor], incoming: Sequence[Optional[Tensor]]) -> bool:
-    """Whether a live transform or eager autograd will differentiate what this derivative returns."""
-    if _state.forward_ad._current_level >= 0:
-        return True
+def _differentiated_again(
+    saved: Sequence[Tensor], incoming: Sequence[Optional[Tensor]], own: Any = "saved",
+) -> bool:
+    """Whether reverse mode (a live grad level, or eager autograd) will differentiate what this derivative returns.
+
+    Forward mode (a jvp level, a dual level) differentiates it too, but as it
+    runs, keeping nothing: computed directly, it costs one recompute less than
+    checkpointed, and no more memory (``jvp(grad)``, ``hessian``).
+    """
     interpreters = pyfunctorch.retrieve_all_functorch_interpreters() if _state.peek_interpreter_stack() else []
-    own = _own_level(saved)
+    if own == "saved":  # the level whose node this is: the saved tensors' (a jvp passes its own)
+        own = _own_level(saved)
     eager_grad_mode = None
     for interpreter in interpreters:
-        kind = interpreter.key().name
-        if kind in (_GRAD, _JVP) and interpreter.level() != own:
-            return True
-        if kind == _GRAD and eager_grad_mode is None:
-            eager_grad_mode = interpreter.prev_grad_mode()
+        if interpreter.key().name == _GRAD:
+            if interpreter.level() != own:
+                return True
+            if eager_grad_mode is None:
+                eager_grad_mode = interpreter.prev_grad_mode()
     if eager_grad_mode is None:
         eager_grad_mode = torch.is_grad_enabled()
     return bool(eager_grad_mode) and any(t is not None and _base(t).requires_grad for t in (*saved, *incoming))
@@ -623,7 +658,7 @@ class _Recompute(torch.autograd.Function):
             tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
             tangents = tuple(None if t is None else _unwrap_for_grad(t, own) for t in tangents)
         directions = tuple(tangents[i] for i in wanted)
-        if _differentiated_again(tensors, directions):
+        if _differentiated_again(tensors, directions, own):
             output_tangents = _Recompute.apply(_Derivative(plan, "jvp", wanted, ()), *tensors, *directions)
         else:
             with plan.replay():
@@ -695,7 +730,7 @@ def plan(
             "a recompute under other torch.func levels cannot pass through"
         )
     built = Plan(function, args, kwargs, held, context_fn)
-    lifted = set(built.input_ids)
+    lifted = {id(t) for t in built.inputs}
     if any(id(t) not in lifted and _carries_gradient(t) for t in held.unbindable):
         return (
             "it reads a tensor that needs a gradient through a global, which cannot be passed to "
@@ -765,8 +800,13 @@ def _run(built: Plan) -> Any:
     except _proof.Unlifted as read:
         built.undo_updates(built.inputs)
         built.restore_rng()
-        raise Refused(_describe_unlifted(built, read)) from None
-    return built.rebuild(outputs)
+        reason = _describe_unlifted(built, read)
+        built.release()
+        raise Refused(reason) from None
+    output = built.rebuild(outputs)
+    built.release()
+    built.output_template = None  # the forward's outputs: the backward does not need them
+    return output
 
 
 def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:

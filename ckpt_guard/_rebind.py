@@ -273,11 +273,30 @@ def _user_function(value: Any) -> bool:
     )
 
 
-class _Rebuild:
-    """One pass over a block's graph: rebuilding it with ``swap``'s tensors, optionally recording what it meets."""
+class Hole:
+    """Where a lifted tensor goes (``index`` into the recompute's inputs), or its bound ``method``.
 
-    def __init__(self, swap: Dict[int, Any], visit: Optional[Callable[[Any, bool], None]] = None) -> None:
+    A plan keeps its block as a graph with holes in it, not with the call's
+    tensors: those belong to the transforms of the call (and hold their
+    graphs), the plan lives as long as the backward may run.
+    """
+
+    __slots__ = ("index", "method")
+
+    def __init__(self, index: int, method: Optional[str] = None) -> None:
+        self.index, self.method = index, method
+
+
+class _Rebuild:
+    """One pass over a block's graph: rebuilding it with ``swap``'s tensors (and ``fill``'s for holes),
+    optionally recording what it meets."""
+
+    def __init__(
+        self, swap: Dict[int, Any], visit: Optional[Callable[[Any, bool], None]] = None,
+        fill: Optional[Any] = None,
+    ) -> None:
         self.swap = swap
+        self.fill = fill
         self.visit = visit  # visit(tensor_or_module, bindable)
         self.memo: Dict[int, Tuple[Any, bool]] = {}
         self.budget = _reads.BUDGET
@@ -285,6 +304,9 @@ class _Rebuild:
 
     def __call__(self, obj: Any) -> Tuple[Any, bool]:
         """``(obj rebuilt, whether a swapped tensor is inside)``."""
+        if type(obj) is Hole:
+            value = self.fill[obj.index]
+            return (getattr(value, obj.method) if obj.method else value), True
         key = id(obj)
         done = self.memo.get(key)
         if done is not None:
@@ -303,7 +325,12 @@ class _Rebuild:
             return obj, False
         if isinstance(obj, types.BuiltinMethodType) and isinstance(getattr(obj, "__self__", None), Tensor):
             owner, changed = self(obj.__self__)  # checkpoint(w.add, x): the method of the lifted tensor
-            result = (getattr(owner, obj.__name__), True) if changed else (obj, False)
+            if not changed:
+                result = (obj, False)
+            elif type(owner) is Hole:
+                result = (Hole(owner.index, obj.__name__), True)
+            else:
+                result = (getattr(owner, obj.__name__), True)
             self.memo[key] = result
             return result
         if isinstance(obj, _reads._PLAIN) and not isinstance(obj, (types.FunctionType, functools.partial)):

@@ -23,6 +23,7 @@ def _needs_transformers():
 @pytest.mark.parametrize("script, shows", [
     ("per_sample_grads.py", f"[{per_sample_grads_refusal()}]"),
     ("gan_step_order.py", "[CKG108]"),
+    ("meanflow_loss.py", "match the network without checkpointing"),
     pytest.param("hf_per_sample_grads.py", "GPT2Block at transformer.h.", marks=_needs_transformers()),
 ])
 def test_example_runs(script, shows):
