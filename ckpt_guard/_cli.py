@@ -205,7 +205,7 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, widt
                "ran" if narrow else "fallback ran", "ok" if narrow else "agrees", "composition"]
     variant_words = {"reentrant": "R", "non-reentrant": "NR"} if narrow else {}
     by_design = "by design" if narrow else "raises (by design)"
-    ran_words = {"composable": "compos.", "no checkpoint": "plain", "use_reentrant=False": "NR",
+    ran_words = {"composable": "compos.", "no checkpoint": "plain", "use_reentrant=False": "NR", "no early stop": "no e.s.",
                  "checkpoint": "ckpt"} if narrow else {}
     cells = []
     for row in rows:
@@ -230,7 +230,7 @@ def format_matrix(head: dict, rows: Sequence[Any], *, unicode: bool = True, widt
         lines.append(
             "var R / NR: use_reentrant=True / False; torch alone: what torch does without the "
             "guard; by design: fallback raises the drift it could not foresee; ran: what fallback "
-            "ran, ckpt (torch's checkpoint), NR (use_reentrant=False), compos. (the composable "
+            "ran, ckpt (torch's checkpoint), NR (use_reentrant=False), no e.s. (without early stop), compos. (the composable "
             "recompute) or plain (without checkpointing), and whether the memory saving was kept "
             "(the block recomputed in the backward), measured; ok: agrees with the table; --json "
             "has every cell in full"

@@ -27,7 +27,7 @@ import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _layouts, _reads, _state, _versions
+from . import _composable, _config, _events, _layouts, _reads, _rebind, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
 
@@ -41,6 +41,7 @@ _DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
 PROCEED = "proceed"  # run torch's checkpoint as asked
 NON_REENTRANT_INSTEAD = "non-reentrant"  # fallback: use_reentrant=False instead
 NO_CHECKPOINT = "no-checkpoint"  # fallback: run the function without checkpointing
+NO_EARLY_STOP = "no-early-stop"  # fallback: torch's checkpoint with early stop switched off (CKG009)
 #: a call-time rule explains this composition, and its policy (warn or off) says: torch's
 #: checkpoint as asked, and no drift rule's call-time risk stands in for it
 AS_ASKED = "as-asked"
@@ -322,9 +323,9 @@ def _where(function: Any, transforms: tuple, site_frame: Optional[FrameType]) ->
     }
 
 
-def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Config) -> str:
+def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Config, early_stop: bool = True) -> str:
     """Apply the call-time rules to a non-quiet call; may raise or warn."""
-    state = _state.read_call_state(reentrant, function, args)
+    state = _state.read_call_state(reentrant, function, args, early_stop)
     firing = _firing(state, config)
     if not firing:
         return AS_ASKED if applying_rules(state) else PROCEED
@@ -345,6 +346,8 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
 
     if policy == "warn":
         outcome = PROCEED
+    elif rule.fallback_runs == "no-early-stop":
+        outcome = NO_EARLY_STOP
     elif _non_reentrant_will_do(state, config, function):
         outcome = NON_REENTRANT_INSTEAD
     else:
@@ -378,6 +381,7 @@ _OUTCOME_TEXT = {
     PROCEED: ("warned", "ran torch's checkpoint as asked (policy warn)"),
     NON_REENTRANT_INSTEAD: ("fallback: use_reentrant=False", "ran it with use_reentrant=False instead (policy fallback)"),
     NO_CHECKPOINT: ("fallback: no checkpoint", "ran it without checkpointing instead (policy fallback)"),
+    NO_EARLY_STOP: ("fallback: no early stop", "ran torch's checkpoint with early stop switched off (policy fallback)"),
 }
 
 
@@ -485,6 +489,7 @@ _len_dispatch_stack = _state._len_dispatch_stack
 _len_function_stack = _state._len_function_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
+_rrelu_training = _state.rrelu_training
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
 # Is torch.fx.symbolic_trace running?  A thread-local flag from torch 2.15 (read
@@ -508,14 +513,24 @@ class RngWatch:
         self.function, self.preserve_rng_state, self.drew = function, preserve_rng_state, drew
 
 
+class EarlyStopOff:
+    """Returned by :func:`prepare_call` when fallback switches early stop off (CKG009): run
+    torch's checkpoint over ``function`` (the guarded handle) with its frame made without it."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+
 def prepare_call(
     reentrant: bool, function: Any, args: tuple, first_input: int, context_fn: Any = None,
-    preserve_rng_state: bool = True,
+    preserve_rng_state: bool = True, early_stop: bool = True,
 ) -> Any:
     """Everything the guard does when ``checkpoint`` is called, for both variants.
 
     Returns ``STEP_ASIDE``, ``NO_CHECKPOINT``, ``NON_REENTRANT_INSTEAD``, an
-    :class:`RngWatch`, or the function to hand torch instead of ``function``:
+    :class:`RngWatch`, an :class:`EarlyStopOff`, or the function to hand torch instead of ``function``:
     the same function, checked against the state captured here before every
     recompute.  ``args[first_input:]`` are the inputs; ``context_fn`` is the
     non-reentrant variant's (or None).
@@ -536,24 +551,29 @@ def prepare_call(
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
     grad = _is_grad_enabled()
     may_anticipate = config.may_fall_back
-    # Inlined call_is_quiet for the usual non-reentrant call with grad on.
+    # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too).
+    rrelu = not reentrant and grad and _rrelu_training(function, early_stop)
+    no_early_stop = False
     if (
         reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled()
-        or _forward_ad._current_level >= 0
+        or _forward_ad._current_level >= 0 or rrelu
     ):
-        if not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
+        if rrelu or not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
             if _fx_tracing():  # torch.fx.symbolic_trace: Proxies, tracing, not training
                 return STEP_ASIDE
-            outcome = decide_call(reentrant, function, args[first_input:], config)
+            outcome = decide_call(reentrant, function, args[first_input:], config, early_stop)
             if outcome == AS_ASKED:  # torch as asked: no drift risk stands in for the rule
                 may_anticipate = False
+            elif outcome == NO_EARLY_STOP:  # still guarded for drift: the handle is wrapped below
+                no_early_stop = True
             elif outcome != PROCEED:
                 return outcome
         if not grad:
             return STEP_ASIDE  # nothing will be recomputed
-    forward_state = capture(function)
+    reads = _reads_target(function, args[first_input:])
+    forward_state = capture(reads)
     if may_anticipate and risk_visible(forward_state):
-        if anticipate(config, forward_state, reentrant, function) != PROCEED:
+        if anticipate(config, forward_state, reentrant, reads) != PROCEED:
             return NO_CHECKPOINT
     modes_managed = (
         context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
@@ -572,10 +592,12 @@ def prepare_call(
     else:
         site = _walk_to_forward_site()
     drew = [False] if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off" else None
-    guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew)
+    guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads)
     if reentrant and _len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
-    return guarded if drew is None else RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew)
+    if drew is not None:
+        return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew)
+    return EarlyStopOff(guarded) if no_early_stop else guarded
 
 
 def _watch_device(guarded: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple) -> Any:
@@ -625,9 +647,25 @@ def forward_context_of(context_fn: Any) -> Any:
 TORCH_RECOMPUTES = [0]
 
 
+def _reads_target(function: Any, inputs: tuple) -> Any:
+    """What the drift rules look at: ``function``, and the modules passed to it while a swap is active.
+
+    ``checkpoint(run_layer, layer, h)`` under a ``functional_call``: the
+    recompute reads ``layer``'s tensors as they are then.  Only while some
+    swap is active (one builtin read otherwise).
+    """
+    if _swaps_active() and any(isinstance(a, _Module) for a in inputs):
+        return _partial(function, *(a for a in inputs if isinstance(a, _Module)))
+    return function
+
+
+_Module = _torch.nn.Module
+_swaps_active = _state.swapped_reads.active
+
+
 def _checked_call(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
-    modes_managed: bool, drew: Optional[list], /, *args: Any, **kwargs: Any,
+    modes_managed: bool, drew: Optional[list], reads: Any, /, *args: Any, **kwargs: Any,
 ) -> Any:
     """Call ``function``; first compare the state with the forward's if this is a recompute.
 
@@ -639,11 +677,17 @@ def _checked_call(
     """
     if not reentrant or _is_grad_enabled():
         TORCH_RECOMPUTES[0] += 1
-        state = capture(function)
+        state = capture(reads)
+        replays = ()
         if state != forward_state:
-            report_drift(function, reentrant, config, forward_state, state, site, modes_managed)
+            replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
         if drew is not None and drew[0]:
             report_unpreserved_rng(function, reentrant, config, forward_state, site)
+        if replays:  # fallback: the recompute sees what the forward saw
+            with contextlib.ExitStack() as stack:
+                for replay in replays:
+                    stack.enter_context(replay)
+                return function(*args, **kwargs)
         return function(*args, **kwargs)
     if drew is None:
         return function(*args, **kwargs)
@@ -705,8 +749,12 @@ def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed
 def report_drift(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
     site: tuple, modes_managed: bool = False, only: Optional[frozenset] = None,
-) -> None:
-    """Warn about, or raise for, every drift rule whose state changed (``only``: these readers)."""
+) -> list:
+    """Warn about, or raise for, every drift rule whose state changed (``only``: these readers).
+
+    Returns the replays (context managers) fallback repairs them with, to be
+    entered around the recompute.
+    """
     changed = [
         i for i, (was, now) in enumerate(zip(forward_state, state))
         if was != now
@@ -716,22 +764,90 @@ def report_drift(
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
     if not changed:
-        return
+        return []
     forward_site_text = _describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
     transforms = _state.describe_transforms(forward_state[_TRANSFORMS_INDEX])
     variant = describe_variant(reentrant, None)
+    replays = []
     for index in changed:
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]
+        policy = config.policy_for(rule.id)
+        replay = _replay(rule, was, function) if policy == "fallback" else None
         _report_at_recompute(
-            rule, config.policy_for(rule.id), forward_site_text,
+            rule, policy, forward_site_text,
+            repaired=replay[1] if replay else "",
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
             change=describe_change(was, now) if describe_change else f"{render(was)} → {render(now)}",
             remedy=_case_remedy(rule, was, now),
         )
+        if replay:
+            replays.append(replay[0])
+    return replays
+
+
+# --------------------------------------------------------------------------
+# fallback's replays: the recompute sees what the forward saw
+
+
+def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
+    """``(context manager, what fallback did)`` for a drift fallback can undo, or None."""
+    if rule.read == "default_dtype":
+        return _forward_default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
+    if rule.read == "module_training" and was is not None:
+        modes = _state.retrained(was, function)
+        if not modes:
+            return None  # its modules changed since the forward: no mode to put back
+        return _rebind.bound([(m, "__dict__", "training", flag) for m, flag in modes]), (
+            "recomputing with each module in the train/eval mode it had in the forward, bound for this "
+            "recompute on its thread (policy fallback)"
+        )
+    if rule.read in ("block_bindings", "block_hooks"):
+        changes = _state.rebound(was)
+        if not changes or any(store == "new" for _, store, _, _ in changes):
+            return None  # something the forward did not have: nothing to put back
+        return _forward_bindings(changes), (
+            "recomputing with what the forward read, bound for this recompute on its thread (policy fallback)"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _forward_default_dtype(dtype: Any) -> Any:
+    previous = _torch.get_default_dtype()
+    _torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        _torch.set_default_dtype(previous)
+
+
+#: a closure cell is the function's, not the thread's: one replay at a time points cells
+_CELL_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _forward_bindings(changes: list) -> Any:
+    """The forward's tensors and hooks where the block reads them (modules: per thread; cells: locked)."""
+    from collections import OrderedDict
+
+    bindings = [
+        (owner, "__dict__", name, OrderedDict(value) if store in ("_forward_hooks", "_forward_pre_hooks") else value)
+        for owner, store, name, value in changes if store != "cell"
+    ]
+    cells = [(cell, value) for cell, store, _, value in changes if store == "cell"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_rebind.bound(bindings))
+        if cells:
+            stack.enter_context(_CELL_LOCK)
+            for cell, value in cells:
+                held = cell.cell_contents
+                cell.cell_contents = value
+                stack.callback(setattr, cell, "cell_contents", held)
+        yield
 
 
 def _case_remedy(rule: Rule, was: Any, now: Any) -> str:
@@ -878,12 +994,33 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
 _COMPOSABLE_DRIFT = frozenset({"module_training", "optimizer_steps"})
 
 
+_COMPOSABLE_DRIFT_INDICES = frozenset(i for i, rule in enumerate(DRIFT_RULES) if rule.read in _COMPOSABLE_DRIFT)
+
+
+def _composable_state(function: Any) -> tuple:
+    """The drift state the composable recompute checks (the rest, as None: it may hold the call's tensors)."""
+    return tuple(v if i in _COMPOSABLE_DRIFT_INDICES else None for i, v in enumerate(capture(function)))
+
+
 def _check_composable_recompute(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
-) -> None:
-    state = capture(function)
+) -> list:
+    state = _composable_state(function)
     if state != forward_state:
-        report_drift(function, reentrant, config, forward_state, state, site, only=_COMPOSABLE_DRIFT)
+        return report_drift(function, reentrant, config, forward_state, state, site, only=_COMPOSABLE_DRIFT)
+    return []
+
+
+def _watch_composable_recompute(built: Any, reentrant: bool, config: _config.Config, site_frame: Any) -> None:
+    """Before each recompute of ``built``: the drift it cannot undo (see ``_COMPOSABLE_DRIFT``).
+
+    Watched through the plan's own block (its template), which reaches the
+    same modules as the call's function but none of the call's tensors.
+    """
+    forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
+    built.check_recompute = _partial(
+        _check_composable_recompute, built.function, reentrant, config, _composable_state(built.function), forward_site
+    )
 
 
 def composable_instead(
@@ -909,12 +1046,12 @@ def composable_instead(
     anticipated = False
     if firing:
         rule, policy = _deciding(firing)
-        if policy != "fallback" or _non_reentrant_will_do(state, config, function):
+        if policy != "fallback" or rule.fallback_runs or _non_reentrant_will_do(state, config, function):
             return None
     else:
         if not grad or (state is not None and applying_rules(state)):
             return None  # nothing will be recomputed, or the user switched off the rule for this
-        rule = _anticipated_rule(config, capture(function))
+        rule = _anticipated_rule(config, capture(_reads_target(function, args)))
         if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
             return None
         anticipated = True
@@ -922,10 +1059,7 @@ def composable_instead(
     if isinstance(built, str):
         return None  # torch's checkpoint runs next; fallback runs the block plainly and says so
     site_frame, _ = user_frame(sys._getframe(1))
-    forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
-    built.check_recompute = _partial(
-        _check_composable_recompute, function, reentrant, config, capture(function), forward_site
-    )
+    _watch_composable_recompute(built, reentrant, config, site_frame)
     site = describe_site(site_frame)
     transforms = state.transforms if state is not None else _state.transform_stack()
     variant = describe_variant(reentrant, None)
@@ -962,13 +1096,13 @@ def composable_instead(
     return built, announce
 
 
-def _swapped_parameters(function: Any) -> bool:
-    """Whether a module ``function`` reads holds a parameter that is not an ``nn.Parameter`` (swapped in).
+def _swapped_parameters(function: Any, args: tuple = ()) -> bool:
+    """Whether a module ``function`` reads (or is passed) holds a parameter that is not an ``nn.Parameter``.
 
     On every eager ``ckpt_guard.checkpoint`` call: about 4 µs for a transformer layer
     (``type(...) is`` first; ``isinstance`` on a Parameter goes through a metaclass).
     """
-    stack = list(_reads.reads_of(function).complete().modules)
+    stack = [*_reads.reads_of(function).complete().modules, *(a for a in args if isinstance(a, _torch.nn.Module))]
     while stack:
         module = stack.pop()
         if module is None:
@@ -1013,8 +1147,9 @@ def public_checkpoint(
     if context_fn is not None:
         options["context_fn"] = context_fn
     eager = _peek_interpreter_stack() is None and _forward_ad._current_level < 0
-    # a swap: seen by the guard's functional_call tracking when installed, else by its traces
-    if eager and not (_swapped_parameters(function) or _state.swapped_reads(function)):
+    # a swap: seen by the guard's functional_call tracking when installed (any swap active on this
+    # thread: the block may reach a swapped module any way), else by its traces
+    if eager and not (_state.swaps_active_here() or _swapped_parameters(function, args)):
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     config = scoped or (_config._installed if _config._installed.active else None)
     if config is None:
@@ -1024,10 +1159,7 @@ def public_checkpoint(
     built = _composable.plan(function, args, block_kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
     if not isinstance(built, str):
         site_frame, _ = user_frame(sys._getframe(1))
-        forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
-        built.check_recompute = _partial(
-            _check_composable_recompute, function, False, config, capture(function), forward_site
-        )
+        _watch_composable_recompute(built, False, config, site_frame)
         try:
             return _composable.run(built)
         except _composable.Refused as refused:  # the run-time proof: decided below, as a plan refusal

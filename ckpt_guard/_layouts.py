@@ -19,12 +19,18 @@ never by version number, newest first:
     called by ``_checkpoint_impl`` (behind ``checkpoint``, its curried form and
     ``checkpoint_sequential``) and imported by the composable API.  The old
     name survives as a shim over it that torch itself no longer calls.
+``generator_args_kwargs`` (torch main after 2.15, read in its source; unreleased)
+    the 2.4–2.13 name with the 2.14 signature: ``_checkpoint_without_reentrant_generator(fn,
+    args, kwargs, *, preserve_rng_state, context_fn, ...)``, called by
+    ``_checkpoint_impl``; guarded as ``generator_impl`` is.
 ``generator`` (torch 2.4–2.13)
     ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state,
     context_fn, determinism_check, debug[, early_stop], *args, **kwargs)``,
     called by ``checkpoint`` and imported by the composable API.
 
-Both are generators with one protocol: ``next`` before the forward, the
+A name with a signature none of these has is not guessed at: the layout is
+reported unsupported (and the entry points it serves unguarded), never
+half-guarded.  All are generators with one protocol: ``next`` before the forward, the
 forward itself (run by the caller), ``next`` after it, ``throw`` if the forward
 raised (2.13+).  The guarded replacement keeps that protocol.
 
@@ -83,6 +89,29 @@ def run_plainly(forward_context: Any = None) -> Iterator[None]:
         return
     with forward_context:
         yield
+
+
+def without_early_stop(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """torch's generator (``start()``), its checkpoint frame made with early stop switched off (CKG009).
+
+    The frame reads the switch when torch's generator first runs, so only
+    that step is wrapped; the protocol is torch's.
+    """
+    import torch.utils.checkpoint as tuc
+
+    with tuc.set_checkpoint_early_stop(False):
+        inner = start()
+        value = next(inner)
+    try:
+        yield value
+    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
+        try:
+            value = inner.throw(exc)
+        except StopIteration:
+            return
+        yield value
+        return
+    yield from inner
 
 
 def watch_forward_rng(inner: Iterator[Any], drew: list) -> Iterator[Any]:
@@ -152,18 +181,22 @@ def _guard_generator(original: Callable[..., Any]) -> Callable[..., Any]:
     names = _fixed_positional(original) or []
     n_options = len(names) - 1  # the options between fn and the inputs
     context_index = names.index("context_fn") - 1
-    prepare, STEP_ASIDE, NO_CHECKPOINT, RngWatch = (
-        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
+    early_stop_index = names.index("early_stop") - 1 if "early_stop" in names else None  # torch 2.5+
+    prepare, STEP_ASIDE, NO_CHECKPOINT, EarlyStopOff, RngWatch = (
+        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.EarlyStopOff, _decide.RngWatch
     )
 
     def _checkpoint_without_reentrant_generator(fn: Any, *args: Any, **kwargs: Any):
         # args: torch's options after fn (preserve_rng_state, context_fn, ...), then the inputs
         context_fn = args[context_index] if len(args) > context_index else None
-        decision = prepare(False, fn, args, n_options, context_fn, args[0] if args else True)
+        early_stop = args[early_stop_index] if early_stop_index is not None and len(args) > early_stop_index else True
+        decision = prepare(False, fn, args, n_options, context_fn, args[0] if args else True, early_stop)
         if decision is STEP_ASIDE:
             return original(fn, *args, **kwargs)
         if decision is NO_CHECKPOINT:
             return run_plainly(_decide.forward_context_of(context_fn))
+        if type(decision) is EarlyStopOff:
+            return without_early_stop(lambda: original(decision.function, *args, **kwargs))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
             inner = original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
             return watch_forward_rng(inner, decision.drew)
@@ -187,17 +220,21 @@ def _guard_generator_impl(original: Callable[..., Any]) -> Callable[..., Any]:
     """torch 2.14+: ``(fn, args, kwargs, *, preserve_rng_state, context_fn, ...)``."""
     from . import _decide
 
-    prepare, STEP_ASIDE, NO_CHECKPOINT, RngWatch = (
-        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
+    prepare, STEP_ASIDE, NO_CHECKPOINT, EarlyStopOff, RngWatch = (
+        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.EarlyStopOff, _decide.RngWatch
     )
 
     def _checkpoint_without_reentrant_generator_impl(fn: Any, args: Any, kwargs: Any, **options: Any):
         context_fn = options.get("context_fn")
-        decision = prepare(False, fn, args, 0, context_fn, options.get("preserve_rng_state", True))
+        decision = prepare(
+            False, fn, args, 0, context_fn, options.get("preserve_rng_state", True), options.get("early_stop", True),
+        )
         if decision is STEP_ASIDE:
             return original(fn, args, kwargs, **options)
         if decision is NO_CHECKPOINT:
             return run_plainly(_decide.forward_context_of(context_fn))
+        if type(decision) is EarlyStopOff:
+            return without_early_stop(lambda: original(decision.function, args, kwargs, **options))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
             options["preserve_rng_state"] = decision.preserve_rng_state
             return watch_forward_rng(original(decision.function, args, kwargs, **options), decision.drew)
@@ -212,6 +249,13 @@ NON_REENTRANT_LAYOUTS: Tuple[NonReentrantLayout, ...] = (
         name="generator_impl",
         releases="torch 2.14+",
         attribute="_checkpoint_without_reentrant_generator_impl",
+        mismatch=_generator_impl_mismatch,
+        guard=_guard_generator_impl,
+    ),
+    NonReentrantLayout(
+        name="generator_args_kwargs",
+        releases="torch main after 2.15 (unreleased)",
+        attribute="_checkpoint_without_reentrant_generator",
         mismatch=_generator_impl_mismatch,
         guard=_guard_generator_impl,
     ),

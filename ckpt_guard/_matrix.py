@@ -167,7 +167,7 @@ def _recompute_counts() -> tuple:
 def fallback_ran(outcome: _Outcome) -> tuple:
     """What fallback ran, and whether checkpointing's memory saving was kept, measured.
 
-    ``(ran, saving)``: ran is "checkpoint" (torch's, as asked), "use_reentrant=False",
+    ``(ran, saving)``: ran is "checkpoint" (torch's, as asked), "use_reentrant=False", "no early stop",
     "composable" or "no checkpoint"; saving is "kept" (the block was recomputed in the
     backward, so its forward kept no activations; a backward differentiated again is
     checkpointed in turn), "no" (run plainly) or "-" (nothing recomputed).
@@ -180,6 +180,8 @@ def fallback_ran(outcome: _Outcome) -> tuple:
         ran = "no checkpoint"
     elif "fallback: use_reentrant=False" in actions:
         ran = "use_reentrant=False"
+    elif "fallback: no early stop" in actions:
+        ran = "no early stop"
     else:
         ran = "checkpoint"
     if ran == "no checkpoint":

@@ -90,13 +90,18 @@ class Reads:
         return Reads(self.whole, self.partial + self.deep, self.tensors + self.deep_tensors, self.deep_unseen)
 
     def named_module_tensors(self) -> Iterator[Tuple[str, Module, str, str, Tensor]]:
-        """``(path, owner, store, name, tensor)`` for every parameter and buffer of the modules.
+        """``(path, owner, store, name, tensor)`` for every tensor the modules hold.
 
-        ``path`` reads like ``Net.inner.weight``; ``store`` is ``"_parameters"``
-        or ``"_buffers"`` of ``owner``.  Each owner is visited once.
+        Parameters and buffers, and plain tensor attributes (``m.scale = s``,
+        which ``functional_call`` also swaps): ``store`` is ``"_parameters"``,
+        ``"_buffers"`` or ``"__dict__"`` of ``owner``.  Modules a module holds
+        in a plain list, tuple or dict attribute (not registered) are visited
+        too.  ``path`` reads like ``Net.inner.weight``.  Each owner once.
         """
         seen = set()
-        for root in self.modules:
+        todo = list(self.modules)
+        while todo:
+            root = todo.pop(0)
             for prefix, owner in root.named_modules():
                 if id(owner) in seen:
                     continue
@@ -106,6 +111,12 @@ class Reads:
                     for name, tensor in getattr(owner, store).items():
                         if isinstance(tensor, Tensor):
                             yield f"{base}.{name}", owner, store, name, tensor
+                for name, value in list(vars(owner).items()):
+                    if isinstance(value, Tensor):
+                        yield f"{base}.{name}", owner, "__dict__", name, value
+                    elif isinstance(value, (list, tuple, dict)) and len(value) <= 64 and not name.startswith("_"):
+                        items = value.values() if isinstance(value, dict) else value
+                        todo.extend(m for m in items if isinstance(m, Module))
 
 
 def _attribute(obj: Any, name: str) -> Any:

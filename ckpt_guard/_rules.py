@@ -61,6 +61,9 @@ class Rule:
     torch_note: str
     probe: Probe = field(repr=False)
     fallback: str = ""  # what the fallback policy runs instead
+    #: call stage: what fallback runs, when it is not the usual choice (use_reentrant=False,
+    #: the composable recompute or no checkpoint): "no-early-stop"
+    fallback_runs: str = ""
     #: False for drift that only the recompute can see: fallback cannot avoid it
     #: and raises as strict does, so messages do not suggest it
     fallback_helps: bool = True
@@ -80,6 +83,9 @@ class Rule:
     #: call stage: rules that explain this composition better where both fire
     #: (e.g. on torch < 2.12 vmap(grad(checkpoint)) fails at the vmap first)
     yields_to: tuple[str, ...] = ()
+    #: the wrong values differ from run to run (read from uninitialised memory): "does what
+    #: torch does" means wrong as torch is, not bitwise torch's values
+    symptom_varies: bool = False
     #: the probe needs a GPU: its symptom needs a default device other than the
     #: CPU; the matrix runs it on CUDA only, ``measured_on`` says where it was
     needs_gpu: bool = False
@@ -205,6 +211,28 @@ def _probe_no_input_grad(ckpt, use_reentrant):
     h = ckpt(block, x, **_variant_kwargs(use_reentrant))
     head(torch.relu(h)).sum().backward()
     return [h.detach(), *_grads(block.weight, block.bias, head.weight)]
+
+
+def _probe_rrelu(ckpt, use_reentrant):
+    """nn.RReLU in training mode inside the block, over a few seeds.
+
+    The noise tensor is saved before RReLU fills it: the gradient is computed
+    from whatever memory it got.  A freed NaN-filled tensor of its size, just
+    before the forward, makes that memory NaN on every run.
+    """
+    import torch
+
+    grads = []
+    for seed in range(3):
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RReLU()).train()
+        x = torch.randn(4, 8, requires_grad=True)
+        junk = torch.full((4, 8), float("nan"))
+        del junk
+        torch.manual_seed(seed)
+        ckpt(block, x, **_variant_kwargs(use_reentrant)).sum().backward()
+        grads += _grads(x, *block.parameters())
+    return grads
 
 
 def _under_grad_transform(s: "CallState") -> bool:
@@ -496,6 +524,40 @@ _CALL_RULES = [
         measured_on=("2.4.1", "2.5.0", "2.8.0", "2.13.0", "2.14.1", "2.15.0"),
         applies=lambda s: s.reentrant and s.forward_ad_active and not s.dual_args and s.dual_held,
     ),
+    Rule(
+        id="CKG009",
+        title="nn.RReLU in training mode under non-reentrant checkpoint: gradients from uninitialised memory",
+        stage="call",
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=False) with grad enabled and early stop on (the default) over "
+            "a module that contains an nn.RReLU in training mode (the module itself, its bound "
+            "method, or a functools.partial of either, as checkpoint_wrapper and transformers "
+            "pass it); a functional F.rrelu(training=True) in a closure is not seen"
+        ),
+        symptom=(
+            "returns silently wrong gradients: RReLU's noise tensor is saved before the kernel "
+            "fills it, so the backward multiplies by uninitialised memory (garbage, often NaN); "
+            "the forward output is exact, and a run can pass by luck"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "wrap the checkpoint call in torch.utils.checkpoint.set_checkpoint_early_stop(False) "
+            "(or pass early_stop=False on torch >= 2.5), or pass use_reentrant=True, or use "
+            "LeakyReLU (RReLU's eval-mode behaviour) inside checkpointed blocks"
+        ),
+        fallback="runs it with early stop switched off (correct, keeps the memory saving)",
+        fallback_runs="no-early-stop",
+        refs=("https://github.com/pytorch/pytorch/issues/193671",),
+        torch_note=(
+            "rrelu_with_noise declares its noise output as a mutated input, which early stop saves "
+            "before the kernel writes it (open upstream, no fix)"
+        ),
+        probe=_probe_rrelu,
+        symptom_varies=True,
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+        applies=lambda s: not s.reentrant and s.grad_enabled and s.rrelu_training and not s.transforms,
+    ),
 ]
 
 
@@ -650,6 +712,47 @@ def _probe_optimizer_step_before_backward(ckpt, use_reentrant):
     return [loss.detach(), *grads]
 
 
+def _probe_rebound_parameter(ckpt, use_reentrant):
+    """A meta-optimizer's step between the inner forward and the outer backward (MetaSGD, higher).
+
+    The inner step's gradient is taken with create_graph; the weight is then
+    re-bound to a new, non-leaf tensor (``del lin.weight; lin.weight = w0 -
+    lr * g``); the outer backward differentiates through the inner step, and
+    so recomputes the inner forward.
+    """
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    lin = block[0]
+    x, x2 = torch.randn(4, 3), torch.randn(4, 3)
+    w0 = lin.weight
+    inner = ckpt(block, x, **_variant_kwargs(use_reentrant)).pow(2).sum()
+    (g,) = torch.autograd.grad(inner, w0, create_graph=True)
+    del lin.weight
+    lin.weight = w0 - 0.1 * g  # the inner step: a new tensor, not an in-place update
+    outer = ckpt(block, x2, **_variant_kwargs(use_reentrant)).pow(2).sum()
+    outer.backward()
+    meta = [w0.grad.clone()]
+    del lin.weight
+    lin.weight = w0  # the module as it was (the probe runs several times)
+    return meta
+
+
+def _probe_hook_removed(ckpt, use_reentrant):
+    """A one-shot forward hook (nnsight's edits): registered for the forward, removed before .backward()."""
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    x = torch.randn(4, 3, requires_grad=True)
+    handle = block[0].register_forward_hook(lambda module, inputs, out: out * 2)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    handle.remove()
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
 _UNFORESEEABLE_FALLBACK = (
     "cannot help: this drift is only visible when the recompute starts, when nothing can "
     "repair it, so fallback raises as strict does"
@@ -797,8 +900,7 @@ _DRIFT_RULES = [
         symptom_by_variant=((NON_REENTRANT, "raises"),),
         raises_match=r"[Rr]ecomputed values for the following tensors have different metadata",
         remedy="restore the default dtype before .backward(), or set it once at program start",
-        fallback=_UNFORESEEABLE_FALLBACK,
-        fallback_helps=False,
+        fallback="recomputes in the forward's default dtype: correct, keeps the memory saving",
         # No upstream thread on this one; the closest: which global state the
         # recompute does restore (autocast), and which it does not.
         refs=("https://github.com/pytorch/pytorch/pull/71169",),
@@ -826,8 +928,10 @@ _DRIFT_RULES = [
         symptom_by_variant=((NON_REENTRANT, "raises"),),
         raises_match=r"different number of tensors was saved",
         remedy="run .backward() before switching modes (model.eval() / model.train())",
-        fallback=_UNFORESEEABLE_FALLBACK,
-        fallback_helps=False,
+        fallback=(
+            "recomputes with each module in the train/eval mode it had in the forward (bound for "
+            "the recompute only, on its thread): correct, keeps the memory saving"
+        ),
         # No upstream thread on this one; the closest: which state the recompute restores.
         refs=("https://github.com/pytorch/pytorch/pull/71169",),
         torch_note="the recompute reads module.training when it runs",
@@ -866,6 +970,70 @@ _DRIFT_RULES = [
         probe=_probe_optimizer_step_before_backward,
         read="optimizer_steps",
         render="describe_optimizer_steps",
+    ),
+    Rule(
+        id="CKG110",
+        title="a tensor the checkpointed block reads was re-bound before the recompute (not updated in place)",
+        stage="recompute",
+        # the probe takes the inner gradient with autograd.grad, which the reentrant variant refuses
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "between the forward and the recompute, a parameter or buffer of the checkpointed "
+            "module (the module, its bound method, or a partial of either) was replaced by another "
+            "tensor: a meta-optimizer writing new, non-leaf weights (torchopt's MetaSGD, higher's "
+            "differentiable optimizers, del m.weight; m.weight = w0 - lr * g), or a variable a "
+            "checkpointed function closes over was re-bound (a loop: m = masks[i])"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the recompute reads the new tensor, so the outer "
+            "(meta-)gradient differentiates another function than the forward computed"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "re-bind after the backward that recomputes this block, or do not checkpoint blocks "
+            "whose weights a meta-optimizer replaces between the forward and the backward; a "
+            "closure: bind the value as a default argument or with functools.partial"
+        ),
+        fallback=(
+            "recomputes with the tensors the forward read (bound for the recompute only, on its "
+            "thread): correct, keeps the memory saving"
+        ),
+        refs=(
+            "https://github.com/metaopt/torchopt",
+            "https://github.com/facebookresearch/higher",
+        ),
+        torch_note="the recompute reads the module's attributes and the function's closure when it runs",
+        probe=_probe_rebound_parameter,
+        read="block_bindings",
+        render="describe_bindings",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    ),
+    Rule(
+        id="CKG111",
+        title="a forward hook of the checkpointed block was added or removed before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "between the forward and the recompute, a forward hook or pre-hook of a module the "
+            "checkpointed block runs was registered or removed: a one-shot edit (nnsight), a "
+            "handle removed right after the forward, a probe registered for one step"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the forward ran with the hooks it had, the "
+            "recompute runs with the hooks there are then; the output is right, its gradients are not"
+        ),
+        symptom_kind="silently wrong",
+        remedy="remove (or add) hooks after the backward, or keep the hooked module out of checkpointed blocks",
+        fallback=(
+            "recomputes with the hooks the forward ran (bound for the recompute only, on its "
+            "thread): correct, keeps the memory saving"
+        ),
+        refs=("https://github.com/pytorch/pytorch/issues/143573",),
+        torch_note="the recompute calls the module, whose hooks run as they are when it runs",
+        probe=_probe_hook_removed,
+        read="block_hooks",
+        render="describe_bindings",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
     ),
 ]
 

@@ -36,8 +36,10 @@ import collections
 import functools
 import inspect
 import itertools
+import operator
 import sys
 import threading
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -57,6 +59,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from . import _reads
 
+import torch.utils.checkpoint  # noqa: E402 - torch 2.4's `import torch` does not import it
+
+#: torch.utils.checkpoint's globals (set_checkpoint_early_stop's switch lives there)
+_checkpoint = vars(torch.utils.checkpoint)
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
 _len_function_stack = torch._C._len_torch_function_stack
 saved_tensor_hooks_enabled: Callable[[], bool] = (
@@ -449,21 +455,203 @@ def describe_optimizer_steps(count: int) -> str:
 
 
 # --------------------------------------------------------------------------
+# what the block reads by reference, re-bound between forward and recompute (CKG110)
+#
+# A meta-optimizer (torchopt's MetaSGD, higher's differentiable optimizers)
+# writes new, non-leaf tensors into a module's ``_parameters`` after the inner
+# forward; a one-shot forward hook (nnsight) is removed after it; a loop
+# rebinds a variable a checkpointed lambda closes over.  The recompute then
+# reads other tensors, or runs other hooks, than the forward did.  The
+# capture keeps what the block reads by reference: the entries of its
+# modules' parameter, buffer and forward-hook dicts (for a module, its bound
+# method, or a partial of either), or the contents of a function's closure
+# cells.  Compared by identity.
+
+
+class Bindings(tuple):
+    """What a block read by reference in its forward: ``(kind, owner, snapshot)``.
+
+    ``kind`` "module": the snapshot is a shallow copy of each of the module's
+    (and its submodules') parameter, buffer and forward-hook dicts, in
+    ``_dicts_of`` order (a C-level copy: the cheapest way to keep names and
+    values); "cells": the contents of a function's closure cells.  Equal when
+    the same owner holds the very same objects (identity: tensors have no ==).
+    """
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Bindings) or self[0] != other[0] or self[1] is not other[1]:
+            return False
+        if self[0] == "cells":
+            return len(self[2]) == len(other[2]) and all(a is b for a, b in zip(self[2], other[2]))
+        return len(self[2]) == len(other[2]) and all(map(_same_entries, self[2], other[2]))
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+
+def _same_entries(was: dict, now: dict) -> bool:
+    if len(was) != len(now):
+        return False
+    for name, value in was.items():
+        if now.get(name, _GONE) is not value:
+            return False
+    return True
+
+
+# id(module) -> (weak reference, {"tensors": ([dicts], [(module, store)]), "hooks": (...)}):
+# its modules' _parameters and _buffers, and their forward (pre-)hook dicts; the walk is
+# done once per module (a checkpointed block keeps its shape)
+_binding_dicts: dict = {}
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+_STORES = {"tensors": ("_parameters", "_buffers"), "hooks": _HOOK_DICTS}
+_GONE = object()
+
+
+def _dicts_of(module: Module, what: str) -> Any:
+    """``([dicts], [(module, store) for each])`` of ``what`` ("tensors" or "hooks") in ``module``,
+    or (``what`` "modules") its modules."""
+    entry = _binding_dicts.get(id(module))
+    if entry is None or entry[0]() is not module:
+        if len(_binding_dicts) >= 4096:
+            _binding_dicts.clear()
+        found = {"modules": list(module.modules())}
+        for kind, stores in _STORES.items():
+            owners = [(m, store) for m in found["modules"] for store in stores]
+            found[kind] = ([getattr(m, store) for m, store in owners], owners)
+        entry = _binding_dicts[id(module)] = (weakref.ref(module), found)
+    return entry[1][what]
+
+
+def _block_module(function: object) -> object:
+    """The module a call runs (itself, behind a bound method or a partial of either), else the function."""
+    if type(function) is functools.partial:
+        function = function.func
+    if type(function) is _MethodType and isinstance(function.__self__, Module):
+        return function.__self__
+    return function
+
+
+def block_bindings(function: object) -> object:
+    """What ``function`` reads by reference (CKG110), as :class:`Bindings` (``()``: nothing watched).
+
+    On every checkpoint call: a module's dicts are copied at C speed (about a
+    microsecond for a transformer layer: ``benchmarks/overhead.py``).
+    """
+    function = _block_module(function)
+    if isinstance(function, Module):
+        return Bindings(("module", function, tuple(map(dict.copy, _dicts_of(function, "tensors")[0]))))
+    cells = getattr(function, "__closure__", None) if type(function) is types.FunctionType else None
+    if cells:
+        try:
+            return Bindings(("cells", function, tuple(cell.cell_contents for cell in cells)))
+        except ValueError:  # an empty cell: a name assigned after the function was made
+            return ()
+    return ()
+
+
+def block_hooks(function: object) -> object:
+    """The forward hooks and pre-hooks of the modules a call runs (CKG111), as :class:`Bindings`."""
+    function = _block_module(function)
+    if isinstance(function, Module):
+        return Bindings(("hooks", function, tuple(map(dict.copy, _dicts_of(function, "hooks")[0]))))
+    return ()
+
+
+block_bindings.takes_function = True  # type: ignore[attr-defined]
+block_hooks.takes_function = True  # type: ignore[attr-defined]
+
+
+def rebound(was: object) -> list:
+    """``[(owner, store, name, forward value)]`` for what differs now from ``was`` (the forward's).
+
+    ``store``: "cell" (owner a cell), "_parameters" / "_buffers" (a tensor
+    re-bound, deleted, or moved to a plain attribute: the forward value is
+    what to read again), a hook dict's name (name is that too, value the
+    forward's dict), or "new" (an entry the forward did not have: nothing
+    to replay).
+    """
+    if not isinstance(was, Bindings):
+        return []
+    kind, function, snapshot = was
+    if kind == "cells":
+        return [
+            (cell, "cell", name, old)
+            for cell, name, old in zip(function.__closure__, function.__code__.co_freevars, snapshot)
+            if cell.cell_contents is not old
+        ]
+    dicts, owners = _dicts_of(function, "hooks" if kind == "hooks" else "tensors")
+    changes = []
+    for (module, store), forward, current in zip(owners, snapshot, dicts):
+        if _same_entries(forward, current):
+            continue
+        if store in _HOOK_DICTS:
+            changes.append((module, store, store, forward))
+            continue
+        for name, value in forward.items():
+            if current.get(name, _GONE) is not value:
+                changes.append((module, store, name, value))
+        changes += [(module, "new", name, _GONE) for name in current if name not in forward]
+    return changes
+
+
+def describe_bindings(value: object) -> str:
+    if not isinstance(value, Bindings):
+        return "nothing watched"
+    owner = value[1]
+    what = {"cells": "closure cells", "hooks": "forward hooks"}.get(value[0], "parameters and buffers")
+    name = getattr(owner, "__qualname__", None) or type(owner).__name__
+    return f"the {what} of {name}"
+
+
+def describe_rebinding(was: object, now: object) -> str:
+    """What changed: ``Linear.weight re-bound ...; forward hooks of Linear added or removed``."""
+    parts = []
+    for owner, store, name, _ in rebound(was):
+        if store == "cell":
+            parts.append(f"the closure variable {name!r} re-bound")
+        elif store in _HOOK_DICTS:
+            kind = "forward pre-hooks" if store == "_forward_pre_hooks" else "forward hooks"
+            parts.append(f"{kind} of {type(owner).__name__} added or removed")
+        elif store == "new":
+            parts.append(f"{type(owner).__name__}.{name} added")
+        else:
+            parts.append(f"{type(owner).__name__}.{name} re-bound (another tensor, not updated in place)")
+    return "; ".join(parts) or "what the block reads changed"
+
+
+block_bindings.describe_change = describe_rebinding  # type: ignore[attr-defined]
+block_hooks.describe_change = describe_rebinding  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------
 # train / eval mode of the checkpointed module
 
 _MethodType = type(Module().train)
 
 
-def module_training(function: object) -> Optional[bool]:
-    """``training`` of the module being checkpointed (itself, or behind a bound method).
+class TrainingFlags(tuple):
+    """``training`` of each of a checkpointed module's modules (``Module.modules()`` order)."""
 
-    ``None`` for other functions: a closure's modules are not looked for on
-    every call (that costs microseconds).
+    __slots__ = ()
+
+
+_training_of = operator.attrgetter("training")
+
+
+def module_training(function: object) -> Optional[TrainingFlags]:
+    """The train/eval flags of the module being checkpointed (itself, its bound method, a partial of either).
+
+    Every submodule's, so that fallback can recompute each in the mode it had
+    (a frozen BatchNorm in eval inside a training model).  ``None`` for other
+    functions: a closure's modules are not looked for on every call.
     """
+    function = _block_module(function)
     if isinstance(function, Module):
-        return function.training
-    if type(function) is _MethodType and isinstance(function.__self__, Module):
-        return function.__self__.training
+        return TrainingFlags(map(_training_of, _dicts_of(function, "modules")))
     return None
 
 
@@ -505,8 +693,22 @@ def _training_relevant(function: object, was: object, now: object) -> bool:
 module_training.relevant = _training_relevant  # type: ignore[attr-defined]
 
 
-def describe_training(training: Optional[bool]) -> str:
-    return {True: "train mode", False: "eval mode", None: "not a module"}[training]
+def describe_training(training: Optional[TrainingFlags]) -> str:
+    if training is None:
+        return "not a module"
+    if all(training):
+        return "train mode"
+    if not any(training):
+        return "eval mode"
+    return f"mixed ({sum(training)} of {len(training)} modules in train mode)"
+
+
+def retrained(was: TrainingFlags, function: object) -> list:
+    """``[(module, forward flag)]`` for each module whose train/eval mode differs now from ``was``."""
+    modules = _dicts_of(_block_module(function), "modules")
+    if len(modules) != len(was):
+        return []
+    return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
 
 
 # --------------------------------------------------------------------------
@@ -541,13 +743,50 @@ class CallState:
     saved_tensor_hooks_enabled: bool
     inputs_require_grad: bool
     params_require_grad: bool
+    #: the block holds an nn.RReLU in training mode, and early stop is on (CKG009)
+    rrelu_training: bool = False
 
     @property
     def transform_names(self) -> frozenset[str]:
         return frozenset(name for name, _ in self.transforms)
 
 
-def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState:
+# id(module) -> (weak reference to it, its nn.RReLU submodules): RReLU is rare, the
+# question is asked on every non-reentrant call, so the walk is done once per module
+_rrelu_submodules: dict = {}
+
+
+def _rrelu_of(module: Module) -> list:
+    entry = _rrelu_submodules.get(id(module))
+    if entry is None or entry[0]() is not module:
+        if len(_rrelu_submodules) >= 4096:
+            _rrelu_submodules.clear()
+        rrelu = torch.nn.RReLU
+        entry = _rrelu_submodules[id(module)] = (weakref.ref(module), [m for m in module.modules() if isinstance(m, rrelu)])
+    return entry[1]
+
+
+def rrelu_training(function: object, early_stop: bool = True) -> bool:
+    """CKG009: a module the call runs holds an nn.RReLU in training mode, with early stop on.
+
+    Only where the module is plain to see (the module, its bound method, a
+    partial of either): this runs on every non-reentrant call.
+    """
+    if not early_stop or _checkpoint.get("_enable_checkpoint_early_stop", True) is False:
+        return False
+    if type(function) is functools.partial:
+        function = function.func
+    if type(function) is _MethodType:
+        function = function.__self__
+    if not isinstance(function, Module):
+        return False
+    for m in _rrelu_of(function):
+        if m.training:
+            return True
+    return False
+
+
+def read_call_state(reentrant: bool, function: object, args: tuple, early_stop: bool = True) -> CallState:
     tensors = [a for a in args if isinstance(a, Tensor)]
     params = list(_reads.trainable_tensors(function))
     transforms = transform_stack()
@@ -565,6 +804,7 @@ def read_call_state(reentrant: bool, function: object, args: tuple) -> CallState
         saved_tensor_hooks_enabled=saved_tensor_hooks_enabled(),
         inputs_require_grad=any(requires_grad_anywhere(t) for t in tensors),
         params_require_grad=any(requires_grad_anywhere(p) for p in params),
+        rrelu_training=not reentrant and rrelu_training(function, early_stop),
     )
 
 
@@ -652,5 +892,7 @@ def drew_random(before: tuple) -> bool:
 def clear_caches() -> None:
     """Forget what was learnt about classes (``uninstall()``: the guard holds nothing)."""
     _infrastructure_classes.clear()
+    _rrelu_submodules.clear()
+    _binding_dicts.clear()
     _mode_dependent_classes.clear()
     _reads.clear_caches()

@@ -51,9 +51,10 @@ def all_close(actual, expected) -> bool:
 
 
 def assert_all_equal(actual, expected):
+    """Bitwise equal (NaN where NaN: a probe whose symptom is garbage gradients makes them NaN)."""
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
-        assert torch.equal(a, e), (a, e)
+        torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
 
 
 def per_sample_grads_refusal() -> str:

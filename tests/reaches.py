@@ -234,6 +234,10 @@ REACHES: Dict[str, Callable[[torch.Tensor, torch.Tensor, Ckpt], torch.Tensor]] =
     "loop-rebinding": _loop_rebinding,
 }
 
+#: reaches that reset what the block reads once the call returns (a global, a class attribute):
+#: an eager .backward() recomputes after that, which torch's checkpoint cannot survive
+RESET_AFTER_THE_CALL = frozenset({"class-attribute", "module-global", "namespace-attribute"})
+
 #: reaches the static walk lifts: the composable recompute runs (memory saving kept)
 LIFTED = frozenset(REACHES) - {"class-attribute", "module-global", "namespace-attribute"}
 
@@ -262,7 +266,14 @@ def _eager_after(model: Model, w, x):
     return [w.grad, x.grad]
 
 
+def _eager(model: Model, w, x):
+    w, x = w.detach().requires_grad_(), x.detach().requires_grad_()
+    model(w, x).pow(2).sum().backward()
+    return [w.grad, x.grad]
+
+
 TRANSFORMS: Dict[str, Callable[[Model, torch.Tensor, torch.Tensor], List[torch.Tensor]]] = {
+    "eager .backward()": lambda m, w, x: _flat(_eager(m, w, x)),
     "grad": lambda m, w, x: _flat(grad(_loss(m), argnums=(0, 1))(w, x)),
     "vmap(grad)": lambda m, w, x: _flat(vmap(grad(_loss(m), argnums=(0, 1)), in_dims=(None, 0))(w, x[:, None])),
     "jacrev": lambda m, w, x: _flat(jacrev(m, argnums=(0, 1))(w, x)),

@@ -95,7 +95,7 @@ def test_matrix_text_agrees_on_this_torch(tmp_path):
         assert rule_id in out
     for composition in SAFE_COMPOSITIONS:
         assert composition.name in out
-    assert "raises (by design)" in out  # CKG105: drift first seen at recompute
+    assert "raises (by design)" in out  # CKG108: parameters really changed, nothing to replay
     assert "STALE" not in out and "✗" not in out
     assert "agree with the table" in " ".join(out.split("\n\n")[-1].split())  # the verdict, wrapped
     # progress goes to stderr, one line per row
@@ -221,9 +221,15 @@ def test_raises_match_is_checked():
 
 
 def test_real_rule_row_agrees_and_fallback_by_design():
-    row = _matrix.measure_rule(rule_by_id("CKG105"), REENTRANT)
+    row = _matrix.measure_rule(rule_by_id("CKG108"), REENTRANT)
     assert row.agrees, row.problems
     assert (row.raw, row.strict, row.fallback) == ("silently wrong", "raised", "raises (by design)")
+
+
+def test_a_replayed_drift_row_agrees_and_fallback_is_right():
+    row = _matrix.measure_rule(rule_by_id("CKG105"), REENTRANT)
+    assert row.agrees, row.problems
+    assert (row.raw, row.strict, row.fallback) == ("silently wrong", "raised", "ok")
 
 
 def test_run_matrix_restores_install_state_and_ignores_scopes():

@@ -328,3 +328,24 @@ def test_higher_monkeypatch_end_to_end():
         assert assert_right_or_refused(program, "public strict", refusable=False) is not None
     finally:
         ckpt_guard.install("strict", rules={})
+
+
+def test_a_hook_removed_after_the_forward_still_runs_in_the_recompute():
+    """nnsight's one-shot edit under torch.func: the forward ran the hook; so does the recompute."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    params = {k: v.detach() for k, v in lin.named_parameters()}
+
+    def program(ckpt):
+        def loss(p):
+            handle = lin.register_forward_hook(lambda module, inputs, out: out * 2)
+            try:
+                y = ckpt(lambda t: torch.tanh(functional_call(lin, p, (t,))), X)
+            finally:
+                handle.remove()  # before the backward (torch.func.grad runs it after loss returns)
+            return y.pow(2).sum()
+
+        return grad(loss)(params)
+
+    for entry in ENTRIES:
+        assert assert_right_or_refused(program, entry, refusable=False) is not None

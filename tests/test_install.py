@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import threading
 import warnings
 
@@ -544,3 +545,34 @@ def test_errors_and_warnings_are_public_and_picklable():
         assert f"{cls.__module__}.{cls.__qualname__}" == f"ckpt_guard.{cls.__name__}"
         copy = pickle.loads(pickle.dumps(cls("the message", rule_by_id(rule_id))))
         assert type(copy) is cls and str(copy) == "the message" and copy.rule is rule_by_id(rule_id)
+
+
+# --------------------------------------------------------------------------
+# layouts recognised by what can be verified (signature), not by version
+
+
+def _generator_module(signature: str):
+    namespace: dict = {}
+    exec(f"def _checkpoint_without_reentrant_generator{signature}:\n    yield\n", namespace)
+    return types.SimpleNamespace(_checkpoint_without_reentrant_generator=namespace["_checkpoint_without_reentrant_generator"])
+
+
+@pytest.mark.parametrize("signature, layout", [
+    ("(fn, preserve_rng_state=True, context_fn=None, determinism_check='default', debug=False, *args, **kwargs)",
+     "generator"),
+    ("(fn, preserve_rng_state=True, context_fn=None, determinism_check='default', debug=False, early_stop=True, "
+     "*args, **kwargs)", "generator"),
+    # torch main after 2.15 (read in upstream's source): the old name with the new signature
+    ("(fn, args, kwargs, *, preserve_rng_state=True, context_fn=None, determinism_check='default', debug=False, "
+     "early_stop=True)", "generator_args_kwargs"),
+])
+def test_non_reentrant_layout_is_recognised_by_its_signature(signature, layout):
+    found, _ = find_non_reentrant(_generator_module(signature))
+    assert found.name == layout
+
+
+def test_an_unknown_signature_is_reported_not_half_guarded():
+    from ckpt_guard._layouts import Unsupported
+
+    with pytest.raises(Unsupported, match="_checkpoint_without_reentrant_generator"):
+        find_non_reentrant(_generator_module("(fn, inputs, *, preserve_rng_state=True)"))

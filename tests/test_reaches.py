@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from reaches import LIFTED, REACHES, TRANSFORMS, plain, run
+from reaches import LIFTED, REACHES, RESET_AFTER_THE_CALL, TRANSFORMS, plain, run
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_guard
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.usefixtures("guard")
 
 
 def _reference(reach, transform):
+    if transform == "eager .backward()" and reach in RESET_AFTER_THE_CALL:
+        pytest.skip("the reach resets what the block reads when the call returns; an eager backward comes after")
     try:
         return run(reach, transform, plain)
     except Exception as exc:  # noqa: BLE001
@@ -39,8 +41,11 @@ def test_public_checkpoint_is_right_or_refuses(reach, transform):
     reference = _reference(reach, transform)
     try:
         got = run(reach, transform, ckpt_guard.checkpoint)
-    except CheckpointCompositionError:
-        assert reach not in LIFTED or transform == "then-backward", "a liftable reach was refused"
+    except CheckpointCompositionError as refused:
+        if transform == "eager .backward()":  # torch's own checkpoint: a drift rule explains it
+            assert refused.rule.stage == "recompute", refused
+        else:
+            assert reach not in LIFTED or transform == "then-backward", "a liftable reach was refused"
         return
     torch.testing.assert_close(got, reference)
 

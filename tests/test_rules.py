@@ -147,12 +147,12 @@ def test_warn_warns_then_behaves_like_torch(rule, variant, probe):
     ids = [w.message.rule.id for w in record if issubclass(w.category, CheckpointCompositionWarning)]
     assert rule.id in ids
     if rule.symptom_for(variant) != "raises":
-        assert_all_equal(warned, run_raw(probe, ur))
+        _assert_as_torch(rule, warned, run_raw(probe, ur), probe, ur)
 
 
 def test_unforeseeable_rules_are_the_expected_ones():
     """The table's own claim, pinned: these drifts show only at recompute."""
-    assert UNFORESEEABLE == {"CKG105", "CKG106", "CKG108"}
+    assert UNFORESEEABLE == {"CKG108"}
 
 
 @pytest.mark.parametrize("rule, variant, probe", CASES)
@@ -182,10 +182,17 @@ def test_off_is_raw_torch(rule, variant, probe):
                 run_guarded(probe, ur, "off")
             assert re.search(rule.raises_match, str(info.value))
         else:
-            assert_all_equal(run_guarded(probe, ur, "off"), run_raw(probe, ur))
-            assert_all_equal(
-                run_guarded(probe, ur, "strict", rules={rule.id: "off"}), run_raw(probe, ur)
-            )
+            _assert_as_torch(rule, run_guarded(probe, ur, "off"), run_raw(probe, ur), probe, ur)
+            _assert_as_torch(rule, run_guarded(probe, ur, "strict", rules={rule.id: "off"}), run_raw(probe, ur), probe, ur)
+
+
+def _assert_as_torch(rule, got, raw, probe, ur):
+    """``got`` is what raw torch gives: bitwise, or (a symptom that varies run to run) as wrong."""
+    if rule.symptom_varies:
+        reference = probe(no_checkpoint, ur)
+        assert not all_close(got, reference) and not all_close(raw, reference)
+    else:
+        assert_all_equal(got, raw)
 
 
 # ---------------------------------------------------------------------------
