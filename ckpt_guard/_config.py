@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextvars
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 POLICIES: tuple[str, ...] = ("off", "warn", "fallback", "strict")
 DEFAULT_POLICY = "strict"
@@ -216,19 +216,21 @@ def pop_scope(token: contextvars.Token) -> None:
     _scoped.reset(token)
 
 
-def how_to_set(source: str, policy: str, rule_id: str = "") -> str:
-    """How to set ``policy`` (for one rule, or for all) through the channel ``source``."""
-    rules = f"rules={{{rule_id!r}: {policy!r}}}"
+def how_to_set(source: str, policy: str, rule_ids: "str | Sequence[str]" = "") -> str:
+    """How to set ``policy`` (for these rules, or for all) through the channel ``source``."""
+    ids = [i for i in ([rule_ids] if isinstance(rule_ids, str) else rule_ids) if i]
+    spec = ",".join(f"{i}={policy}" for i in ids)
+    rules = "rules={" + ", ".join(f"{i!r}: {policy!r}" for i in ids) + "}"
     if source == "scope":
-        return f"ckpt_guard.policy(..., {rules})" if rule_id else f"ckpt_guard.policy({policy!r})"
+        return f"ckpt_guard.policy(..., {rules})" if ids else f"ckpt_guard.policy({policy!r})"
     if source == "install":
-        return f"ckpt_guard.install(..., {rules})" if rule_id else f"ckpt_guard.install({policy!r})"
+        return f"ckpt_guard.install(..., {rules})" if ids else f"ckpt_guard.install({policy!r})"
     if source == "marker":
-        return f"@pytest.mark.ckpt_guard(..., {rules})" if rule_id else f"@pytest.mark.ckpt_guard({policy!r})"
+        return f"@pytest.mark.ckpt_guard(..., {rules})" if ids else f"@pytest.mark.ckpt_guard({policy!r})"
     if source == "pytest-option":
-        return f"--ckpt-guard-rules={rule_id}={policy}" if rule_id else f"--ckpt-guard={policy}"
+        return f"--ckpt-guard-rules={spec}" if ids else f"--ckpt-guard={policy}"
     if source == "pytest-ini":
-        return f"ini ckpt_guard_rules = {rule_id}={policy}" if rule_id else f"ini ckpt_guard = {policy}"
+        return f"ini ckpt_guard_rules = {spec}" if ids else f"ini ckpt_guard = {policy}"
     if source == "cli":
-        return f"--rules {rule_id}={policy}" if rule_id else f"--policy {policy}"
-    return f"{ENV_RULES}={rule_id}={policy}" if rule_id else f"{ENV_POLICY}={policy}"
+        return f"--rules {spec}" if ids else f"--policy {policy}"
+    return f"{ENV_RULES}={spec}" if ids else f"{ENV_POLICY}={policy}"

@@ -10,6 +10,7 @@ fires, so it may be slow and thorough.
 from __future__ import annotations
 
 import contextlib
+import dataclasses as _dataclasses
 import dis
 import functools
 import inspect
@@ -29,7 +30,8 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _composable, _config, _events, _layouts, _reads, _rebind, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
-from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, RNG_RULE as _RNG_RULE, Rule, rules_on
+from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
+from ._rules import RNG_RULE as _RNG_RULE, Rule, rules_on
 
 #: The installed torch, and the call-time rules whose claim holds on it (in table order).
 TORCH = _versions.installed()
@@ -206,29 +208,58 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 # messages
 
 
-def _fixes(rule: Rule, policy: str, source: str, remedy: str = "") -> list[str]:
+#: rules whose fallback is the composable recompute: under torch.func one program often trips
+#: several of them at different calls (MAML: CKG001 in the inner grad, CKG003 under the
+#: outer vmap), so a fix line names them all at once
+_TRANSFORM_RULE_IDS = tuple(
+    rule.id for rule in CALL_RULES_HERE if "composable recompute" in rule.fallback
+) + tuple(rule.id for rule in DRIFT_RULES if rule.read == "transform_stack" and rule.holds_on(TORCH))
+
+
+def _fixes(rule: Rule, policy: str, source: str, remedy: str = "", worked: bool = False, fired: Sequence[str] = ()) -> list[str]:
     """The remedy (``remedy`` where one fits this case better), then the policy changes that help.
 
-    Never the policy in force; each written for the channel that set it
-    (environment, ``install()``, a ``policy()`` scope, a pytest marker or
-    option, the ``run`` launcher's flags).  Per-rule settings are shown
-    because they win over any base policy.
+    Each written for the channel that set the policy (environment,
+    ``install()``, a ``policy()`` scope, a pytest marker or option, the ``run``
+    launcher's flags); per-rule settings, because they win over any base
+    policy.  A line never leads somewhere worse than where the user is:
+    where fallback ``worked`` (this call now runs correctly), no line turns
+    the rule to warn or off (torch's error or wrong values would come back),
+    only how to keep this without the warning.  ``fired``: every rule this
+    call broke, named together so one change fixes them all.
     """
     set_rule = functools.partial(_config.how_to_set, source)
     fixes = [remedy or rule.remedy]
+    ids = list(dict.fromkeys([rule.id, *fired]))
+    if rule.id in _TRANSFORM_RULE_IDS:
+        ids += [i for i in _TRANSFORM_RULE_IDS if i not in ids]
     if rule.fallback_helps and policy != "fallback":
         fixes.append(
-            f"use fallback for this rule, {set_rule('fallback', rule.id)} (or for all rules: "
-            f"{set_rule('fallback')}): it {rule.fallback}"
+            f"use fallback, {set_rule('fallback', ids)} (or for all rules: {set_rule('fallback')}); "
+            f"fallback {rule.fallback}"
         )
+        if rule.id in _TRANSFORM_RULE_IDS and "ckpt_guard.checkpoint" not in fixes[0]:
+            fixes.append(
+                "or call ckpt_guard.checkpoint(block, *inputs) for these blocks: the composable recompute "
+                "under torch.func, torch's own checkpoint elsewhere, whatever the policy"
+            )
+    if worked:
+        fixes.append(
+            "to keep this without the warning: warnings.filterwarnings('ignore', "
+            f"category=ckpt_guard.CheckpointCompositionWarning, message=r'\\[{rule.id}\\]')"
+        )
+        return fixes
     if policy == "fallback" and rule.stage == "recompute":  # a risk seen at call time
         fixes.append(
             f"or keep checkpointing and raise only if the drift really happens: {set_rule('strict', rule.id)}"
         )
-    others = [p for p in ("warn", "off") if p != policy]
-    fixes.append(
-        f"or set this one rule to {' or '.join(others)}: " + " / ".join(set_rule(p, rule.id) for p in others)
-    )
+    if policy == "warn":
+        fixes.append(f"or silence it (torch does the same, without the warning): {set_rule('off', rule.id)}")
+    elif rule.always_raises and policy == "strict":
+        fixes.append(
+            f"or, if this composition is in fact right here, let torch run it: {set_rule('off', rule.id)} "
+            "(torch raises the error above)"
+        )
     return fixes
 
 
@@ -248,6 +279,8 @@ def build_message(
     also: Sequence[str] = (),
     checkpointed: str = "",
     from_your_code: str = "",
+    worked: bool = False,
+    symptom: str = "",
 ) -> str:
     # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
     lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
@@ -264,13 +297,13 @@ def build_message(
     lines.append(f"  variant: {variant}")
     if change:
         lines.append(f"  changed since the forward: {change}")
-    lines.append(f"  without the guard torch {rule.symptom}")
+    lines.append(f"  without the guard torch {symptom or rule.symptom}")
     if also:
         lines.append(f"  also applies here: {', '.join(also)} (python -m ckpt_guard explain ID)")
     if action:
         lines.append(f"  ckpt_guard: {action}")
     lines.append("  fix:")
-    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy, source, remedy))
+    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy, source, remedy, worked, also))
     lines.append(f"  details: python -m ckpt_guard explain {rule.id}")
     return "\n".join(lines)
 
@@ -358,7 +391,8 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     for other, other_policy in firing:
         _events.emit(other.id, other_policy, event, site, "call")
     _warn(build_message(
-        rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also, **where,
+        rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also,
+        worked=policy == "fallback", **where,
     ), rule)
     return AS_ASKED if outcome == PROCEED else outcome
 
@@ -409,10 +443,22 @@ def _compile_capture(readers: tuple) -> Any:
     nothing is active, see ``_state``) is only called when that query says so,
     and ``()`` is used otherwise: on the usual quiet call this costs a few
     builtin calls instead of one Python call per drift rule.
+
+    Readers with ``part_of = (reader, index)`` are parts of one read: the
+    block's snapshot (its tensors, hooks and train/eval flags) is taken once.
     """
     namespace: dict = {}
     parts = []
+    shared: dict = {}  # a reader that is part of a shared read (``part_of``): read once, indexed
     for i, read in enumerate(readers):
+        group = getattr(read, "part_of", None)
+        if group is not None:
+            reader, index = group
+            if reader not in shared:
+                shared[reader] = f"shared{len(shared)}"
+                namespace[shared[reader]] = reader
+            parts.append(f"{shared[reader]}_[{index}]")
+            continue
         namespace[f"read{i}"] = read
         call = f"read{i}(function)" if getattr(read, "takes_function", False) else f"read{i}()"
         if hasattr(read, "active"):
@@ -420,7 +466,8 @@ def _compile_capture(readers: tuple) -> Any:
             parts.append(f"({call} if active{i}() else ())")
         else:
             parts.append(call)
-    source = f"def capture(function):\n    return ({', '.join(parts)},)\n"
+    reads = "".join(f"    {name}_ = {name}(function)\n" for name in shared.values())
+    source = f"def capture(function):\n{reads}    return ({', '.join(parts)},)\n"
     # Filed under this file: dynamo skips it, and call-site walks count it as the guard's.
     exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - generated from the rule table
     return namespace["capture"]
@@ -592,7 +639,13 @@ def prepare_call(
     else:
         site = _walk_to_forward_site()
     drew = [False] if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off" else None
-    guarded = _partial(_checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads)
+    # CKG010: where fallback records the structure of a nested output it flattened
+    nested = [None] if reentrant and config.policy_for(_NESTED_RULE.id) != "off" else None
+    guarded = _partial(
+        _checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested
+    )
+    if nested is not None:
+        guarded.nested = nested
     if reentrant and _len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
     if drew is not None:
@@ -665,7 +718,7 @@ _swaps_active = _state.swapped_reads.active
 
 def _checked_call(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
-    modes_managed: bool, drew: Optional[list], reads: Any, /, *args: Any, **kwargs: Any,
+    modes_managed: bool, drew: Optional[list], reads: Any, nested: Optional[list], /, *args: Any, **kwargs: Any,
 ) -> Any:
     """Call ``function``; first compare the state with the forward's if this is a recompute.
 
@@ -679,7 +732,7 @@ def _checked_call(
         TORCH_RECOMPUTES[0] += 1
         state = capture(reads)
         replays = ()
-        if state != forward_state:
+        if _differs(state, forward_state):
             replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
         if drew is not None and drew[0]:
             report_unpreserved_rng(function, reentrant, config, forward_state, site)
@@ -687,14 +740,85 @@ def _checked_call(
             with contextlib.ExitStack() as stack:
                 for replay in replays:
                     stack.enter_context(replay)
-                return function(*args, **kwargs)
-        return function(*args, **kwargs)
+                return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
+        return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
     if drew is None:
-        return function(*args, **kwargs)
+        return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
     before = _state.rng_states()  # the reentrant forward, preserve_rng_state=False
     result = function(*args, **kwargs)
     drew[0] = _state.drew_random(before)
-    return result
+    return _watch_output(result, reads, config, forward_state, site, nested)
+
+
+def _plain_output(output: Any) -> bool:
+    """A tensor, or a flat tuple (tensors and non-tensors): what an autograd.Function tracks."""
+    if type(output) is _Tensor or isinstance(output, _Tensor):
+        return True
+    if type(output) is tuple:
+        for item in output:
+            if not isinstance(item, _Tensor) and (isinstance(item, (list, tuple, dict)) or _dataclasses.is_dataclass(item)):
+                return False
+        return True
+    return not _tree_leaves_hold_tensors(output)
+
+
+def _tree_leaves_hold_tensors(output: Any) -> bool:
+    from torch.utils._pytree import tree_leaves
+
+    if _dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return any(isinstance(getattr(output, f.name), _Tensor) for f in _dataclasses.fields(output))
+    return any(isinstance(leaf, _Tensor) for leaf in tree_leaves(output))
+
+
+_Tensor = _torch.Tensor
+
+
+def _watch_output(
+    output: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple, nested: Optional[list],
+) -> Any:
+    """CKG010, in the reentrant forward and its recompute: tensors in a container carry no gradient.
+
+    Strict raises in the forward (nothing of it is kept); fallback hands the
+    Function a flat tuple and records the structure in ``nested``, which
+    :func:`rebuild_nested_output` puts back after ``apply``; warn leaves it.
+    """
+    if nested is None or _plain_output(output):
+        return output
+    from torch.utils._pytree import tree_flatten
+
+    leaves, spec = tree_flatten(_dataclass_as_dict(output))
+    if not any(isinstance(leaf, _Tensor) for leaf in leaves):
+        return output
+    policy = config.policy_for(_NESTED_RULE.id)
+    if not _is_grad_enabled():  # the forward; the recompute reports nothing twice
+        forward_site_text = _describe_forward_site(site)
+        _report_at_recompute(
+            _NESTED_RULE, policy, forward_site_text,
+            repaired="handed the Function its outputs flat, rebuilt after (policy fallback)" if policy == "fallback" else "",
+            site=forward_site_text, checkpointed=describe_checkpointed(function),
+            transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+            variant=describe_variant(True, None), source=config.source,
+            change=f"the function returned a {type(output).__name__} holding tensors",
+        )
+    if policy != "fallback":
+        return output
+    nested[0] = (spec, output if _dataclasses.is_dataclass(output) else None)
+    return tuple(leaves)
+
+
+def _dataclass_as_dict(output: Any) -> Any:
+    if _dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return {f.name: getattr(output, f.name) for f in _dataclasses.fields(output)}
+    return output
+
+
+def rebuild_nested_output(outputs: Any, nested: list) -> Any:
+    """After ``CheckpointFunction.apply``: a flattened output back in its structure (CKG010, fallback)."""
+    from torch.utils._pytree import tree_unflatten
+
+    spec, dataclass = nested[0]
+    rebuilt = tree_unflatten(list(outputs if isinstance(outputs, tuple) else (outputs,)), spec)
+    return _dataclasses.replace(dataclass, **rebuilt) if dataclass is not None else rebuilt
 
 
 def _device_watched_call(
@@ -757,7 +881,7 @@ def report_drift(
     """
     changed = [
         i for i, (was, now) in enumerate(zip(forward_state, state))
-        if was != now
+        if _differs(was, now)
         and (only is None or DRIFT_RULES[i].read in only)
         and _DRIFT_HOLDS[i]
         and config.policy_for(DRIFT_RULES[i].id) != "off"
@@ -781,12 +905,24 @@ def report_drift(
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
-            change=describe_change(was, now) if describe_change else f"{render(was)} → {render(now)}",
+            change=_describe_change(describe_change, was, now, function, render),
             remedy=_case_remedy(rule, was, now),
+            symptom=_case_symptom(rule, was, now),
         )
         if replay:
             replays.append(replay[0])
     return replays
+
+
+def _describe_change(describe: Any, was: Any, now: Any, function: Any, render: Any) -> str:
+    if describe is None:
+        return f"{render(was)} → {render(now)}"
+    if getattr(describe, "takes_function", False):
+        return describe(was, now, function)
+    return describe(was, now)
+
+
+_differs = _state.differs
 
 
 # --------------------------------------------------------------------------
@@ -806,7 +942,7 @@ def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
             "recompute on its thread (policy fallback)"
         )
     if rule.read in ("block_bindings", "block_hooks"):
-        changes = _state.rebound(was)
+        changes = _state.rebound(was, function, hooks=rule.read == "block_hooks")
         if not changes or any(store == "new" for _, store, _, _ in changes):
             return None  # something the forward did not have: nothing to put back
         return _forward_bindings(changes), (
@@ -850,8 +986,27 @@ def _forward_bindings(changes: list) -> Any:
         yield
 
 
+def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
+    """What torch really does in this very case, where the rule's general words would not say it."""
+    if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was) and not any(
+        name == "jvp" for name, _ in now
+    ):
+        return (
+            "raises CheckpointError: A different number of tensors was saved during the original forward "
+            "and recomputation (the recompute runs without the jvp's forward-mode level, so it saves "
+            "other tensors than the forward did)"
+        )
+    return ""
+
+
 def _case_remedy(rule: Rule, was: Any, now: Any) -> str:
     """A remedy that fits this very case, where the rule's general one would not."""
+    if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was):
+        return (
+            "checkpoint these blocks with ckpt_guard.checkpoint (or run under policy fallback): its "
+            "recompute carries the jvp's tangents, and .backward() after torch.func.jvp (a MeanFlow or "
+            "consistency-model loss) then keeps the memory saving"
+        )
     if rule.read == "swapped_reads" and (isinstance(now, _state.SwappedReads) or _state.swaps_active_here()):
         # .backward() already runs under a functional_call, just not the forward's
         # (second-order MAML: one backward recomputes the inner and the outer step).
@@ -885,14 +1040,14 @@ def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repair
     """Warn, or raise before the recompute runs; ``repaired``: what fallback already did about it."""
     if policy == "warn" or (policy == "fallback" and repaired):
         action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
-        _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, "recompute")
-        _warn(build_message(rule, policy=policy, action=action, **details), rule)
+        _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, rule.stage)
+        _warn(build_message(rule, policy=policy, action=action, worked=policy == "fallback", **details), rule)
         return
     unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
     message = build_message(
         rule, policy=policy, action=f"raised before the recompute ran (policy {policy}{unforeseen})", **details,
     )
-    _events.emit(rule.id, policy, "raised", forward_site_text, "recompute")
+    _events.emit(rule.id, policy, "raised", forward_site_text, rule.stage)
     raise CheckpointCompositionError(message, rule)
 
 
@@ -930,6 +1085,7 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
         policy="fallback",
         source=config.source,
         anticipated=True,
+        worked=True,
         action=(
             "ran it without checkpointing (policy fallback): nothing has gone wrong, but the "
             "recompute could run after this state changed, and then nothing could repair the "
@@ -1006,7 +1162,7 @@ def _check_composable_recompute(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
 ) -> list:
     state = _composable_state(function)
-    if state != forward_state:
+    if _differs(state, forward_state):
         return report_drift(function, reentrant, config, forward_state, state, site, only=_COMPOSABLE_DRIFT)
     return []
 
@@ -1090,7 +1246,7 @@ def composable_instead(
             _events.emit(fired.id, fired_policy, event, site, "call")
         _warn(build_message(
             rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
-            anticipated=anticipated, also=also, **_where(function, transforms, site_frame),
+            anticipated=anticipated, also=also, worked=True, **_where(function, transforms, site_frame),
         ), rule)
 
     return built, announce

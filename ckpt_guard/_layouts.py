@@ -324,6 +324,7 @@ def guard_apply(raw_apply: Callable[..., Any]) -> classmethod:
         _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
     )
     NON_REENTRANT_INSTEAD = _decide.NON_REENTRANT_INSTEAD
+    rebuild_nested_output = _decide.rebuild_nested_output
 
     def apply(cls, function, preserve_rng_state, *args):
         decision = prepare(True, function, args, 0, None, preserve_rng_state)
@@ -337,7 +338,11 @@ def guard_apply(raw_apply: Callable[..., Any]) -> classmethod:
             import torch.utils.checkpoint as tuc
 
             return tuc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-        return raw_apply(cls, decision, preserve_rng_state, *args)
+        outputs = raw_apply(cls, decision, preserve_rng_state, *args)
+        nested = getattr(decision, "nested", None)
+        if nested is not None and nested[0] is not None:  # CKG010 under fallback: its structure back
+            return rebuild_nested_output(outputs, nested)
+        return outputs
 
     apply.__ckpt_guard_original__ = raw_apply  # type: ignore[attr-defined]
     return classmethod(apply)

@@ -208,8 +208,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if ckpt_guard.is_installed():
         state.previous_config = _config.current()  # no scope is open here
-    ckpt_guard.install(base, rules=overrides)  # explicit values: the environment is not re-read
+    from . import _patch
+
+    # explicit values (the environment is not re-read), and the channel that set them, so that a
+    # message's fix lines name the pytest option, ini key or variable, not install()
+    _patch.install(_config.Config(base, overrides, _source_key(state.rules_source or state.policy_source)))
     state.installed_by_plugin = state.previous_config is None
+
+
+def _source_key(description: Optional[str]) -> str:
+    """The message channel (``_config.how_to_set``) of a ``_resolve`` source description."""
+    if description in (_POLICY_OPTION, _RULES_OPTION):
+        return "pytest-option"
+    if description is not None and description.startswith("ini option"):
+        return "pytest-ini"
+    return "env"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -287,10 +300,17 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
     if not ckpt_guard.is_installed() and _config.Config(policy, overrides).active:
         ckpt_guard.install(policy, rules=overrides)
         installed_here = True
+    # the marker's scope, as ckpt_guard.policy() opens one, but named after the marker in messages
+    scope = _config.Config(policy, overrides, "marker")
+    if scope.may_fall_back:
+        from . import _patch
+
+        _patch.enable_composable_fallback()
+    token = _config.push_scope(scope)
     try:
-        with ckpt_guard.policy(policy, rules=overrides):
-            yield
+        yield
     finally:
+        _config.pop_scope(token)
         if installed_here:
             ckpt_guard.uninstall()
 

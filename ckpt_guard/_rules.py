@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._state import CallState
 
 __all__ = [
-    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "DEVICE_RULE", "RULE_IDS", "rule_by_id", "rules_on",
+    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "DEVICE_RULE", "NESTED_OUTPUT_RULE", "RULE_IDS",
+    "rule_by_id", "rules_on",
 ]
 
 #: A probe runs one composition with the given checkpoint function and
@@ -94,6 +95,11 @@ class Rule:
     def symptom_for(self, variant: str) -> str:
         """"raises" or "silently wrong" for one variant."""
         return dict(self.symptom_by_variant).get(variant, self.symptom_kind)
+
+    @property
+    def always_raises(self) -> bool:
+        """Torch raises (loudly) in every variant the rule is about: nothing is silently wrong."""
+        return all(self.symptom_for(v) == "raises" for v in self.variants)
 
     def holds_on(self, version: Version) -> bool:
         return version in self.torch_range
@@ -788,9 +794,9 @@ _DRIFT_RULES = [
             "call .backward() (or torch.autograd.grad) while the functional_call is still active, "
             "e.g. inside a module whose forward computes the loss and its gradients (not enough "
             "when one backward differentiates through several functional_calls, as second-order "
-            "MAML does: then disable checkpointing for the stateless calls, which fallback does), "
-            "or disable checkpointing for stateless calls (torch.func.grad over functional_call "
-            "needs that too: see CKG001/CKG002)"
+            "MAML does: then checkpoint those blocks with ckpt_guard.checkpoint, whose recompute "
+            "binds the tensors the forward read, which fallback does too), or disable "
+            "checkpointing for stateless calls"
         ),
         fallback=_DRIFT_FALLBACK,
         refs=(
@@ -1082,6 +1088,48 @@ RNG_RULE = Rule(
     probe=_probe_rng_not_preserved,
 )
 
+def _probe_nested_output(ckpt, use_reentrant):
+    """A checkpointed block that returns its tensors in a dict (a dataclass, a list: the same).
+
+    The loss has another term, so the backward runs (alone, the block's output
+    would not require grad and torch would raise).
+    """
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(3, 3)
+    x = torch.randn(4, 3, requires_grad=True)
+    out = ckpt(lambda t: {"hidden": torch.tanh(block(t))}, x, **_variant_kwargs(use_reentrant))
+    (out["hidden"].pow(2).sum() + x.sum()).backward()  # a loss with other terms: backward runs
+    return [out["hidden"].detach(), *_grads(x, *block.parameters())]
+
+
+# Not a state comparison either: the reentrant forward's output is looked at.
+NESTED_OUTPUT_RULE = Rule(
+    id="CKG010",
+    title="reentrant checkpoint returning tensors inside a container: they carry no gradient",
+    stage="call",
+    variants=(REENTRANT,),
+    trigger=(
+        "checkpoint(use_reentrant=True, or not passed) with grad enabled whose function returns "
+        "its tensors inside a dict, list, dataclass or nested tuple (a model output object), "
+        "not as a tensor or a flat tuple of tensors"
+    ),
+    symptom=(
+        "returns silently wrong gradients: the reentrant checkpoint is an autograd.Function, which "
+        "tracks only tensors it returns directly; tensors inside a container come back detached, "
+        "so nothing before the block (inputs, its parameters) gets a gradient through them"
+    ),
+    symptom_kind="silently wrong",
+    remedy=f"{_FIX_NR} (it tracks outputs of any structure), or return a tensor or a tuple of tensors",
+    fallback="runs it with its outputs flattened for the autograd.Function and rebuilt after (correct, keeps the memory saving)",
+    refs=("https://github.com/pytorch/pytorch/issues/124725",),
+    torch_note="closed upstream as expected behaviour of autograd.Function outputs",
+    probe=_probe_nested_output,
+    measured_on=("2.4.1", "2.13.0", "2.15.0"),
+)
+
+
 def _probe_default_device(ckpt, use_reentrant):
     """A block that makes a tensor without naming a device, under a GPU default device.
 
@@ -1141,7 +1189,9 @@ DEVICE_RULE = Rule(
 )
 
 #: Every rule, in id order (how the CLI and the docs list them), for every supported torch.
-RULES: tuple[Rule, ...] = tuple(sorted(_CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE], key=lambda rule: rule.id))
+RULES: tuple[Rule, ...] = tuple(sorted(
+    _CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE, NESTED_OUTPUT_RULE], key=lambda rule: rule.id
+))
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
 #: Recompute rules decided by comparing state captured in the forward and at recompute.
 DRIFT_RULES: tuple[Rule, ...] = tuple(_DRIFT_RULES)

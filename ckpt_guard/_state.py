@@ -468,62 +468,29 @@ def describe_optimizer_steps(count: int) -> str:
 # cells.  Compared by identity.
 
 
-class Bindings(tuple):
-    """What a block read by reference in its forward: ``(kind, owner, snapshot)``.
-
-    ``kind`` "module": the snapshot is a shallow copy of each of the module's
-    (and its submodules') parameter, buffer and forward-hook dicts, in
-    ``_dicts_of`` order (a C-level copy: the cheapest way to keep names and
-    values); "cells": the contents of a function's closure cells.  Equal when
-    the same owner holds the very same objects (identity: tensors have no ==).
-    """
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Bindings) or self[0] != other[0] or self[1] is not other[1]:
-            return False
-        if self[0] == "cells":
-            return len(self[2]) == len(other[2]) and all(a is b for a, b in zip(self[2], other[2]))
-        return len(self[2]) == len(other[2]) and all(map(_same_entries, self[2], other[2]))
-
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
-
-    __hash__ = tuple.__hash__
-
-
-def _same_entries(was: dict, now: dict) -> bool:
-    if len(was) != len(now):
-        return False
-    for name, value in was.items():
-        if now.get(name, _GONE) is not value:
-            return False
-    return True
-
-
-# id(module) -> (weak reference, {"tensors": ([dicts], [(module, store)]), "hooks": (...)}):
-# its modules' _parameters and _buffers, and their forward (pre-)hook dicts; the walk is
-# done once per module (a checkpointed block keeps its shape)
-_binding_dicts: dict = {}
+# id(module) -> (weak reference, its modules, their _parameters and _buffers dicts, their forward
+# (pre-)hook dicts, [(module, store)] for each of both): the walk is done once per module (a
+# checkpointed block keeps its shape)
+_block_structure: dict = {}
+_TENSOR_STORES = ("_parameters", "_buffers")
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
-_STORES = {"tensors": ("_parameters", "_buffers"), "hooks": _HOOK_DICTS}
 _GONE = object()
 
 
-def _dicts_of(module: Module, what: str) -> Any:
-    """``([dicts], [(module, store) for each])`` of ``what`` ("tensors" or "hooks") in ``module``,
-    or (``what`` "modules") its modules."""
-    entry = _binding_dicts.get(id(module))
+def _structure(module: Module) -> tuple:
+    entry = _block_structure.get(id(module))
     if entry is None or entry[0]() is not module:
-        if len(_binding_dicts) >= 4096:
-            _binding_dicts.clear()
-        found = {"modules": list(module.modules())}
-        for kind, stores in _STORES.items():
-            owners = [(m, store) for m in found["modules"] for store in stores]
-            found[kind] = ([getattr(m, store) for m, store in owners], owners)
-        entry = _binding_dicts[id(module)] = (weakref.ref(module), found)
-    return entry[1][what]
+        if len(_block_structure) >= 4096:
+            _block_structure.clear()
+        modules = list(module.modules())
+        tensor_owners = [(m, store) for m in modules for store in _TENSOR_STORES]
+        hook_owners = [(m, store) for m in modules for store in _HOOK_DICTS]
+        entry = _block_structure[id(module)] = (
+            weakref.ref(module), modules,
+            [getattr(m, store) for m, store in tensor_owners], [getattr(m, store) for m, store in hook_owners],
+            tensor_owners, hook_owners,
+        )
+    return entry
 
 
 def _block_module(function: object) -> object:
@@ -535,38 +502,67 @@ def _block_module(function: object) -> object:
     return function
 
 
-def block_bindings(function: object) -> object:
-    """What ``function`` reads by reference (CKG110), as :class:`Bindings` (``()``: nothing watched).
+_copy = dict.copy
+_training_of = operator.attrgetter("training")
+_NOTHING = ((), (), None)
 
-    On every checkpoint call: a module's dicts are copied at C speed (about a
-    microsecond for a transformer layer: ``benchmarks/overhead.py``).
+
+def block_snapshot(function: object) -> tuple:
+    """What the block reads by reference, its hooks and its modules' train/eval flags, in one read.
+
+    ``(tensors, hooks, training)``: for a module (itself, its bound method, a
+    partial of either) a shallow copy of each of its modules' parameter and
+    buffer dicts, of their forward (pre-)hook dicts (C-level copies: names and
+    values, the cheapest way to keep them), and each module's ``training``;
+    for a function its closure cells' contents, ``()`` and None.  Read on
+    every checkpoint call.  Compared as plain tuples: an entry that is the
+    same object compares equal without looking at it; one that is another
+    tensor cannot be compared (:func:`differs` says so).
     """
-    function = _block_module(function)
+    kind = type(function)
+    if kind is functools.partial:
+        function = function.func
+        kind = type(function)
+    if kind is _MethodType:
+        function = function.__self__
     if isinstance(function, Module):
-        return Bindings(("module", function, tuple(map(dict.copy, _dicts_of(function, "tensors")[0]))))
-    cells = getattr(function, "__closure__", None) if type(function) is types.FunctionType else None
-    if cells:
+        entry = _block_structure.get(id(function))
+        if entry is None or entry[0]() is not function:
+            entry = _structure(function)
+        return tuple(map(_copy, entry[2])), tuple(map(_copy, entry[3])), tuple(map(_training_of, entry[1]))
+    if kind is types.FunctionType and function.__closure__:
         try:
-            return Bindings(("cells", function, tuple(cell.cell_contents for cell in cells)))
+            return tuple([cell.cell_contents for cell in function.__closure__]), (), None
         except ValueError:  # an empty cell: a name assigned after the function was made
-            return ()
-    return ()
+            return _NOTHING
+    return _NOTHING
+
+
+def differs(was: object, now: object) -> bool:
+    """``was != now`` for captured state; a tensor that is not the same object differs (no ``==``)."""
+    try:
+        return bool(was != now)
+    except Exception:  # noqa: BLE001 - a tensor compared with another: ambiguous, so not the same
+        return True
+
+
+def block_bindings(function: object) -> object:
+    """CKG110's part of :func:`block_snapshot`: the tensors (or closure values) the block reads."""
+    return block_snapshot(function)[0]
 
 
 def block_hooks(function: object) -> object:
-    """The forward hooks and pre-hooks of the modules a call runs (CKG111), as :class:`Bindings`."""
-    function = _block_module(function)
-    if isinstance(function, Module):
-        return Bindings(("hooks", function, tuple(map(dict.copy, _dicts_of(function, "hooks")[0]))))
-    return ()
+    """CKG111's part of :func:`block_snapshot`: its modules' forward hooks and pre-hooks."""
+    return block_snapshot(function)[1]
 
 
-block_bindings.takes_function = True  # type: ignore[attr-defined]
-block_hooks.takes_function = True  # type: ignore[attr-defined]
+block_bindings.part_of = (block_snapshot, 0)  # type: ignore[attr-defined]
+block_hooks.part_of = (block_snapshot, 1)  # type: ignore[attr-defined]
+block_bindings.takes_function = block_hooks.takes_function = True  # type: ignore[attr-defined]
 
 
-def rebound(was: object) -> list:
-    """``[(owner, store, name, forward value)]`` for what differs now from ``was`` (the forward's).
+def rebound(was: object, function: object, hooks: bool = False) -> list:
+    """``[(owner, store, name, forward value)]`` for what differs now from the forward's ``was``.
 
     ``store``: "cell" (owner a cell), "_parameters" / "_buffers" (a tensor
     re-bound, deleted, or moved to a plain attribute: the forward value is
@@ -574,48 +570,43 @@ def rebound(was: object) -> list:
     forward's dict), or "new" (an entry the forward did not have: nothing
     to replay).
     """
-    if not isinstance(was, Bindings):
-        return []
-    kind, function, snapshot = was
-    if kind == "cells":
+    block = _block_module(function)
+    if not isinstance(block, Module):
+        cells = getattr(block, "__closure__", None) or ()
+        if len(cells) != len(was):
+            return []
         return [
             (cell, "cell", name, old)
-            for cell, name, old in zip(function.__closure__, function.__code__.co_freevars, snapshot)
+            for cell, name, old in zip(cells, block.__code__.co_freevars, was)
             if cell.cell_contents is not old
         ]
-    dicts, owners = _dicts_of(function, "hooks" if kind == "hooks" else "tensors")
-    changes = []
-    for (module, store), forward, current in zip(owners, snapshot, dicts):
-        if _same_entries(forward, current):
+    entry = _structure(block)
+    dicts, owners = (entry[3], entry[5]) if hooks else (entry[2], entry[4])
+    changes: list = []
+    if len(dicts) != len(was):
+        return changes
+    for (module, store), forward, current in zip(owners, was, dicts):
+        same = len(forward) == len(current) and all(current.get(k, _GONE) is v for k, v in forward.items())
+        if same:
             continue
-        if store in _HOOK_DICTS:
+        if hooks:
             changes.append((module, store, store, forward))
             continue
-        for name, value in forward.items():
-            if current.get(name, _GONE) is not value:
-                changes.append((module, store, name, value))
+        changes += [(module, store, name, value) for name, value in forward.items() if current.get(name, _GONE) is not value]
         changes += [(module, "new", name, _GONE) for name in current if name not in forward]
     return changes
 
 
 def describe_bindings(value: object) -> str:
-    if not isinstance(value, Bindings):
-        return "nothing watched"
-    owner = value[1]
-    what = {"cells": "closure cells", "hooks": "forward hooks"}.get(value[0], "parameters and buffers")
-    name = getattr(owner, "__qualname__", None) or type(owner).__name__
-    return f"the {what} of {name}"
+    return "what the block reads by reference" if value else "nothing watched"
 
 
-def describe_rebinding(was: object, now: object) -> str:
-    """What changed: ``Linear.weight re-bound ...; forward hooks of Linear added or removed``."""
+def describe_rebinding(was: object, now: object, function: object = None) -> str:
+    """CKG110's change line: ``Linear.weight re-bound (another tensor, not updated in place)``."""
     parts = []
-    for owner, store, name, _ in rebound(was):
+    for owner, store, name, _ in rebound(was, function):
         if store == "cell":
             parts.append(f"the closure variable {name!r} re-bound")
-        elif store in _HOOK_DICTS:
-            kind = "forward pre-hooks" if store == "_forward_pre_hooks" else "forward hooks"
-            parts.append(f"{kind} of {type(owner).__name__} added or removed")
         elif store == "new":
             parts.append(f"{type(owner).__name__}.{name} added")
         else:
@@ -623,8 +614,19 @@ def describe_rebinding(was: object, now: object) -> str:
     return "; ".join(parts) or "what the block reads changed"
 
 
+def describe_hook_change(was: object, now: object, function: object = None) -> str:
+    """CKG111's change line: ``forward hooks of Linear added or removed``."""
+    parts = [
+        f"{'forward pre-hooks' if store == '_forward_pre_hooks' else 'forward hooks'} of {type(owner).__name__} "
+        "added or removed"
+        for owner, store, _, _ in rebound(was, function, hooks=True)
+    ]
+    return "; ".join(parts) or "the block's hooks changed"
+
+
 block_bindings.describe_change = describe_rebinding  # type: ignore[attr-defined]
-block_hooks.describe_change = describe_rebinding  # type: ignore[attr-defined]
+block_hooks.describe_change = describe_hook_change  # type: ignore[attr-defined]
+describe_rebinding.takes_function = describe_hook_change.takes_function = True  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------
@@ -633,28 +635,17 @@ block_hooks.describe_change = describe_rebinding  # type: ignore[attr-defined]
 _MethodType = type(Module().train)
 
 
-class TrainingFlags(tuple):
-    """``training`` of each of a checkpointed module's modules (``Module.modules()`` order)."""
-
-    __slots__ = ()
-
-
-_training_of = operator.attrgetter("training")
-
-
-def module_training(function: object) -> Optional[TrainingFlags]:
-    """The train/eval flags of the module being checkpointed (itself, its bound method, a partial of either).
+def module_training(function: object) -> Optional[tuple]:
+    """CKG106's part of :func:`block_snapshot`: each of the checkpointed module's modules' ``training``.
 
     Every submodule's, so that fallback can recompute each in the mode it had
     (a frozen BatchNorm in eval inside a training model).  ``None`` for other
     functions: a closure's modules are not looked for on every call.
     """
-    function = _block_module(function)
-    if isinstance(function, Module):
-        return TrainingFlags(map(_training_of, _dicts_of(function, "modules")))
-    return None
+    return block_snapshot(function)[2]
 
 
+module_training.part_of = (block_snapshot, 2)  # type: ignore[attr-defined]
 module_training.takes_function = True  # type: ignore[attr-defined]
 
 # module class -> does its code depend on train/eval mode?  Weak, as above.
@@ -693,7 +684,7 @@ def _training_relevant(function: object, was: object, now: object) -> bool:
 module_training.relevant = _training_relevant  # type: ignore[attr-defined]
 
 
-def describe_training(training: Optional[TrainingFlags]) -> str:
+def describe_training(training: Optional[tuple]) -> str:
     if training is None:
         return "not a module"
     if all(training):
@@ -703,9 +694,9 @@ def describe_training(training: Optional[TrainingFlags]) -> str:
     return f"mixed ({sum(training)} of {len(training)} modules in train mode)"
 
 
-def retrained(was: TrainingFlags, function: object) -> list:
+def retrained(was: tuple, function: object) -> list:
     """``[(module, forward flag)]`` for each module whose train/eval mode differs now from ``was``."""
-    modules = _dicts_of(_block_module(function), "modules")
+    modules = _structure(_block_module(function))[1]
     if len(modules) != len(was):
         return []
     return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
@@ -893,6 +884,6 @@ def clear_caches() -> None:
     """Forget what was learnt about classes (``uninstall()``: the guard holds nothing)."""
     _infrastructure_classes.clear()
     _rrelu_submodules.clear()
-    _binding_dicts.clear()
+    _block_structure.clear()
     _mode_dependent_classes.clear()
     _reads.clear_caches()

@@ -494,3 +494,47 @@ def test_events_fixture_keeps_the_sessions_own_policy(pytester):
     result = run(pytester, "-p", "no:randomly", "--ckpt-guard=strict")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*CheckpointCompositionError: [[]CKG101[]]*"])
+
+
+# --------------------------------------------------------------------------
+# fix lines name the channel that set the policy (option, ini, variable, marker)
+
+_CKG001_TEST = '''
+import torch
+from torch.utils.checkpoint import checkpoint
+import ckpt_guard
+
+def loss(t):
+    return checkpoint(torch.sin, t, use_reentrant=False).sum()
+
+def test_it(request):
+    try:
+        torch.func.grad(loss)(torch.randn(3))
+    except ckpt_guard.CheckpointCompositionError as exc:
+        (request.config.rootpath / "message.txt").write_text(str(exc))
+'''
+
+
+@pytest.mark.parametrize("how, expected, not_expected", [
+    (("--ckpt-guard=strict",), "--ckpt-guard-rules=CKG001=fallback", "ckpt_guard.install("),
+    (("ini",), "ini ckpt_guard_rules = CKG001=fallback", "ckpt_guard.install("),
+    (("env",), "CKPT_GUARD_RULES=CKG001=fallback", "ckpt_guard.install("),
+    (("marker",), "@pytest.mark.ckpt_guard(..., rules={'CKG001': 'fallback'", "ckpt_guard.policy("),
+])
+def test_fix_lines_name_the_pytest_channel(pytester, monkeypatch, how, expected, not_expected):
+    source = _CKG001_TEST
+    args = []
+    if how == ("ini",):
+        pytester.makeini("[pytest]\nckpt_guard = strict\n")
+    elif how == ("env",):
+        monkeypatch.setenv("CKPT_GUARD_POLICY", "strict")
+    elif how == ("marker",):
+        source = source.replace("def test_it(", "import pytest\n\n@pytest.mark.ckpt_guard('strict')\ndef test_it(")
+    else:
+        args = list(how)
+    pytester.makepyfile(source)
+    result = run(pytester, *args)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    message = (pytester.path / "message.txt").read_text()
+    assert expected in message, message
+    assert not_expected not in message, message

@@ -123,8 +123,12 @@ def test_strict_raises_this_rule(rule, variant, probe):
     probe_file = os.path.basename(getattr(probe, "__wrapped__", probe).__code__.co_filename)
     assert "checkpoint called at: " in message and f"{probe_file}:" in message  # the probe's line
     assert "without the guard torch" in message
-    # hints are written for the channel that set the policy: here a ckpt_guard.policy() scope
-    assert f"ckpt_guard.policy(..., rules={{'{rule.id}': " in message
+    # hints are written for the channel that set the policy: here a ckpt_guard.policy() scope; a
+    # per-rule hint only where one leads somewhere better (never "off" for a silently wrong rule)
+    if rule.fallback_helps or rule.always_raises:
+        assert f"ckpt_guard.policy(..., rules={{'{rule.id}': " in message
+    else:
+        assert "'off'" not in message
     assert "CKPT_GUARD_RULES" not in message
     # fallback is suggested only where it helps
     assert ("ckpt_guard.policy('fallback')" in message) == rule.fallback_helps
@@ -415,9 +419,9 @@ def test_fix_hints_name_the_channel_that_set_the_policy(monkeypatch, channel):
     message = str(next(w.message for w in record if issubclass(w.category, CheckpointCompositionWarning)))
     expected = {
         "env": ("CKPT_GUARD_RULES=CKG001=fallback", "CKPT_GUARD_POLICY=fallback", "CKPT_GUARD_RULES=CKG001=off"),
-        "install": ("ckpt_guard.install(..., rules={'CKG001': 'fallback'})", "ckpt_guard.install('fallback')",
+        "install": ("ckpt_guard.install(..., rules={'CKG001': 'fallback', ", "ckpt_guard.install('fallback')",
                     "ckpt_guard.install(..., rules={'CKG001': 'off'})"),
-        "scope": ("ckpt_guard.policy(..., rules={'CKG001': 'fallback'})", "ckpt_guard.policy('fallback')",
+        "scope": ("ckpt_guard.policy(..., rules={'CKG001': 'fallback', ", "ckpt_guard.policy('fallback')",
                   "ckpt_guard.policy(..., rules={'CKG001': 'off'})"),
     }[channel]
     for hint in expected:

@@ -1,0 +1,145 @@
+"""Every fix line, followed literally, leads somewhere better than where the user is.
+
+The programs are the ones users run: functorch's MAML step (vmap over tasks,
+inner ``torch.func.grad``, outer ``.backward()``), per-sample gradients, a
+MeanFlow loss.  A strict error's fallback line is followed as written (its
+``rules={...}`` parsed and installed) and the program then runs and equals the
+uncheckpointed one, in one round.  Where fallback already worked, no line
+switches the rule to warn or off (that would bring torch's error back).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import warnings
+
+import pytest
+import torch
+from torch.func import functional_call, grad, vmap
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+
+
+class Net(torch.nn.Module):
+    def __init__(self, checkpointing: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(2))
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return x.pow(2).mean()
+
+
+def maml_step(net: Net) -> list:
+    """functorch's MAML example, small: per task an inner grad step, then the query loss; .backward()."""
+    params = dict(net.named_parameters())
+    support = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(1))
+    query = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(2))
+
+    def task(x_support, x_query):
+        g = grad(lambda p: functional_call(net, p, (x_support,)))(params)
+        return functional_call(net, {k: params[k] - 0.1 * g[k] for k in params}, (x_query,))
+
+    net.zero_grad(set_to_none=True)
+    vmap(task)(support, query).sum().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _fallback_line(message: str) -> dict:
+    """The ``rules={...}`` of the message's 'use fallback' fix line, parsed."""
+    line = next(line for line in message.splitlines() if "use fallback, ckpt_guard.install(..., rules=" in line)
+    return ast.literal_eval(re.search(r"rules=(\{[^}]*\})", line).group(1))
+
+
+@pytest.fixture
+def installed_strict():
+    ckpt_guard.install("strict", rules={})
+    try:
+        yield
+    finally:
+        ckpt_guard.uninstall()
+
+
+def test_following_the_strict_fix_line_fixes_the_whole_maml_step_in_one_round(installed_strict):
+    """Before, MAML needed two rounds: CKG001 (the inner grad), then CKG003 (the query loss under vmap)."""
+    reference = maml_step(Net(checkpointing=False))
+    with pytest.raises(CheckpointCompositionError) as info:
+        maml_step(Net())
+    rules = _fallback_line(str(info.value))
+    assert {"CKG001", "CKG003"} <= set(rules) and set(rules.values()) == {"fallback"}
+    ckpt_guard.install("strict", rules=rules)  # the line, followed literally
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = maml_step(Net())
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+
+
+def test_where_fallback_worked_no_line_turns_the_rule_off():
+    """Under fallback the composable recompute ran: warn or off would bring torch's error back."""
+    ckpt_guard.install("fallback")
+    try:
+        with pytest.warns(CheckpointCompositionWarning) as record:
+            maml_step(Net())
+    finally:
+        ckpt_guard.uninstall()
+    for warning in record:
+        message = str(warning.message)
+        if not issubclass(warning.category, CheckpointCompositionWarning):
+            continue
+        fixes = message.split("  fix:\n", 1)[1]
+        assert "'off'" not in fixes and "'warn'" not in fixes, message
+        assert "warnings.filterwarnings('ignore', category=ckpt_guard.CheckpointCompositionWarning" in fixes
+
+
+def test_the_filterwarnings_line_silences_exactly_this_rule():
+    """Followed literally, the line keeps fallback's result and drops its warning."""
+    ckpt_guard.install("fallback")
+    try:
+        with pytest.warns(CheckpointCompositionWarning) as record:
+            maml_step(Net())
+        line = next(
+            line.strip()[2:] for w in record if issubclass(w.category, CheckpointCompositionWarning)
+            for line in str(w.message).splitlines() if "warnings.filterwarnings(" in line
+        )
+        statement = line.split(": ", 1)[1]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(statement, {"warnings": warnings, "ckpt_guard": ckpt_guard})  # noqa: S102 - the message's own line
+            got = maml_step(Net())
+        rule = re.search(r"\\\[(CKG\d+)\\\]", statement).group(1)
+        assert not [w for w in caught if issubclass(w.category, CheckpointCompositionWarning) and f"[{rule}]" in str(w.message)]
+    finally:
+        ckpt_guard.uninstall()
+    for g, r in zip(got, maml_step(Net(checkpointing=False))):
+        torch.testing.assert_close(g, r)
+
+
+def test_a_silently_wrong_rule_never_suggests_off(installed_strict):
+    """CKG108 (an optimizer step before the recompute): off would give the wrong gradients."""
+    from ckpt_guard._rules import rule_by_id
+
+    rule = rule_by_id("CKG108")
+    with pytest.raises(CheckpointCompositionError) as info:
+        rule.probe(checkpoint, False)
+    assert "'off'" not in str(info.value) and "=off" not in str(info.value)
+
+
+def test_a_meanflow_loss_is_told_what_torch_really_raises(installed_strict):
+    """jvp, then .backward(): torch's error is a CheckpointError about the number of saved tensors."""
+    net = Net()
+    z = torch.randn(5, 4)
+    with pytest.raises(CheckpointCompositionError) as info:
+        u, dudt = torch.func.jvp(lambda t: net.blocks[1](checkpoint(net.blocks[0], t, use_reentrant=False)), (z,),
+                                 (torch.ones_like(z),))
+        (u - dudt.detach()).pow(2).sum().backward()
+    message = str(info.value)
+    assert "[CKG104]" in message
+    assert "A different number of tensors was saved" in message and "escaped from inside" not in message
+    assert "ckpt_guard.checkpoint" in message.split("  fix:\n", 1)[1]
