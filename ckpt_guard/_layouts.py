@@ -8,7 +8,8 @@ Every way into activation checkpointing (``checkpoint``, its curried form,
 names and signatures move between torch releases; this module is the one place
 that knows how.  The rest of the guard sees one interface: "this call is about
 to checkpoint ``function`` over these inputs; what do I run instead?"
-(:func:`ckpt_guard._decide.prepare_call`).
+(``_decide.prepare_call``, which ``_patch`` hands to the guards built here:
+this module knows where torch's calls pass, not how they are decided).
 
 Non-reentrant layouts, detected by feature (the attribute and its signature),
 never by version number, newest first:
@@ -150,7 +151,8 @@ class NonReentrantLayout:
     attribute: str  # the module global in torch.utils.checkpoint (and the composable API)
     #: ``mismatch(original)``: None if ``original`` has this layout, else why not
     mismatch: Callable[[Callable[..., Any]], Optional[str]]
-    #: ``guard(original)``: the replacement, same signature and protocol
+    #: ``guard(original, decide)``: the replacement, same signature and protocol, asking
+    #: ``decide`` (the ``_decide`` module, handed over by ``_patch``) what to run
     guard: Callable[[Callable[..., Any]], Callable[..., Any]]
 
 
@@ -174,16 +176,14 @@ def _generator_mismatch(original: Callable[..., Any]) -> Optional[str]:
     return None
 
 
-def _guard_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+def _guard_generator(original: Callable[..., Any], decide: Any) -> Callable[..., Any]:
     """torch 2.4–2.13: ``(fn, preserve_rng_state, context_fn, ..., *args, **kwargs)``."""
-    from . import _decide
-
     names = _fixed_positional(original) or []
     n_options = len(names) - 1  # the options between fn and the inputs
     context_index = names.index("context_fn") - 1
     early_stop_index = names.index("early_stop") - 1 if "early_stop" in names else None  # torch 2.5+
     prepare, STEP_ASIDE, NO_CHECKPOINT, EarlyStopOff, RngWatch = (
-        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.EarlyStopOff, _decide.RngWatch
+        decide.prepare_call, decide.STEP_ASIDE, decide.NO_CHECKPOINT, decide.EarlyStopOff, decide.RngWatch
     )
 
     def _checkpoint_without_reentrant_generator(fn: Any, *args: Any, **kwargs: Any):
@@ -194,7 +194,7 @@ def _guard_generator(original: Callable[..., Any]) -> Callable[..., Any]:
         if decision is STEP_ASIDE:
             return original(fn, *args, **kwargs)
         if decision is NO_CHECKPOINT:
-            return run_plainly(_decide.forward_context_of(context_fn))
+            return run_plainly(decide.forward_context_of(context_fn))
         if type(decision) is EarlyStopOff:
             return without_early_stop(lambda: original(decision.function, *args, **kwargs))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
@@ -216,12 +216,10 @@ def _generator_impl_mismatch(original: Callable[..., Any]) -> Optional[str]:
     return None
 
 
-def _guard_generator_impl(original: Callable[..., Any]) -> Callable[..., Any]:
+def _guard_generator_impl(original: Callable[..., Any], decide: Any) -> Callable[..., Any]:
     """torch 2.14+: ``(fn, args, kwargs, *, preserve_rng_state, context_fn, ...)``."""
-    from . import _decide
-
     prepare, STEP_ASIDE, NO_CHECKPOINT, EarlyStopOff, RngWatch = (
-        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.EarlyStopOff, _decide.RngWatch
+        decide.prepare_call, decide.STEP_ASIDE, decide.NO_CHECKPOINT, decide.EarlyStopOff, decide.RngWatch
     )
 
     def _checkpoint_without_reentrant_generator_impl(fn: Any, args: Any, kwargs: Any, **options: Any):
@@ -232,7 +230,7 @@ def _guard_generator_impl(original: Callable[..., Any]) -> Callable[..., Any]:
         if decision is STEP_ASIDE:
             return original(fn, args, kwargs, **options)
         if decision is NO_CHECKPOINT:
-            return run_plainly(_decide.forward_context_of(context_fn))
+            return run_plainly(decide.forward_context_of(context_fn))
         if type(decision) is EarlyStopOff:
             return without_early_stop(lambda: original(decision.function, args, kwargs, **options))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
@@ -316,15 +314,13 @@ def find_reentrant(module: Any) -> Tuple[type, Callable[..., Any]]:
     )
 
 
-def guard_apply(raw_apply: Callable[..., Any]) -> classmethod:
+def guard_apply(raw_apply: Callable[..., Any], decide: Any) -> classmethod:
     """The classmethod that shadows ``CheckpointFunction.apply``."""
-    from . import _decide
-
     prepare, STEP_ASIDE, NO_CHECKPOINT, RngWatch = (
-        _decide.prepare_call, _decide.STEP_ASIDE, _decide.NO_CHECKPOINT, _decide.RngWatch
+        decide.prepare_call, decide.STEP_ASIDE, decide.NO_CHECKPOINT, decide.RngWatch
     )
-    NON_REENTRANT_INSTEAD = _decide.NON_REENTRANT_INSTEAD
-    rebuild_nested_output = _decide.rebuild_nested_output
+    NON_REENTRANT_INSTEAD = decide.NON_REENTRANT_INSTEAD
+    rebuild_nested_output = decide.rebuild_nested_output
 
     def apply(cls, function, preserve_rng_state, *args):
         decision = prepare(True, function, args, 0, None, preserve_rng_state)

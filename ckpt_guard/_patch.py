@@ -174,7 +174,9 @@ def _patch_non_reentrant(tuc: Any) -> None:
         _unguarded.append(f"non-reentrant checkpoint: {exc}")
         _unguarded_entry_points.append(_layouts.NON_REENTRANT_ENTRY_POINTS)
         return
-    guarded = layout.guard(original)
+    from . import _decide
+
+    guarded = layout.guard(original, _decide)
     guarded.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
     _set_attr(tuc, layout.attribute, guarded)
     composable = sys.modules.get(_COMPOSABLE)
@@ -194,7 +196,9 @@ def _patch_reentrant(tuc: Any) -> None:
         _unguarded.append(f"reentrant checkpoint: {exc}")
         _unguarded_entry_points.append(_layouts.REENTRANT_ENTRY_POINTS)
         return
-    _set_attr(function_class, "apply", _layouts.guard_apply(raw_apply))
+    from . import _decide
+
+    _set_attr(function_class, "apply", _layouts.guard_apply(raw_apply, _decide))
     _interception.append("reentrant via CheckpointFunction.apply")
 
 
