@@ -113,7 +113,7 @@ ENSEMBLE = {"quick": (4, 128, 4, 256), "medium": (4, 256, 6, 1024), "full": (8, 
 #: (width, blocks, batch); 4 Linear per block, as "mlp grad"
 HVP = {"quick": (128, 2, 256), "medium": (256, 3, 1024), "full": (512, 8, 2048)}
 #: (input features, width, blocks, rows): the Hessian is (rows * features)^2; 4 Linear per block
-HESSIAN = {"quick": (8, 64, 2, 4), "medium": (16, 128, 4, 32), "full": (32, 256, 8, 32)}
+HESSIAN = {"quick": (8, 64, 2, 4), "medium": (16, 128, 4, 32), "full": (32, 256, 12, 32)}
 #: (width, blocks, tasks, batch per task)
 MAML = {"quick": (128, 4, 2, 128), "medium": (256, 6, 4, 512), "full": (512, 8, 4, 2048)}
 #: (width, blocks, batch)

@@ -537,6 +537,7 @@ _len_function_stack = _state._len_function_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _rrelu_training = _state.rrelu_training
+_rrelu_seen = _state.rrelu_seen
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
 # Is torch.fx.symbolic_trace running?  A thread-local flag from torch 2.15 (read
@@ -598,8 +599,11 @@ def prepare_call(
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
     grad = _is_grad_enabled()
     may_anticipate = config.may_fall_back
+    if grad:  # what a recompute must find again (it first walks a new block, and notes an RReLU in it)
+        reads = _reads_target(function, args[first_input:])
+        forward_state = capture(reads)
     # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too).
-    rrelu = not reentrant and grad and _rrelu_training(function, early_stop)
+    rrelu = not reentrant and grad and _rrelu_seen[0] and _rrelu_training(function, early_stop)
     no_early_stop = False
     if (
         reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled()
@@ -617,8 +621,6 @@ def prepare_call(
                 return outcome
         if not grad:
             return STEP_ASIDE  # nothing will be recomputed
-    reads = _reads_target(function, args[first_input:])
-    forward_state = capture(reads)
     if may_anticipate and risk_visible(forward_state):
         if anticipate(config, forward_state, reentrant, reads) != PROCEED:
             return NO_CHECKPOINT

@@ -549,8 +549,9 @@ _CALL_RULES = [
         symptom_kind="silently wrong",
         remedy=(
             "wrap the checkpoint call in torch.utils.checkpoint.set_checkpoint_early_stop(False) "
-            "(or pass early_stop=False on torch >= 2.5), or pass use_reentrant=True, or use "
-            "LeakyReLU (RReLU's eval-mode behaviour) inside checkpointed blocks"
+            "(torch 2.13 and 2.15 also take checkpoint(..., early_stop=False); 2.4 does not), or "
+            "pass use_reentrant=True, or use LeakyReLU (RReLU's eval-mode behaviour) inside "
+            "checkpointed blocks"
         ),
         fallback="runs it with early stop switched off (correct, keeps the memory saving)",
         fallback_runs="no-early-stop",

@@ -468,28 +468,66 @@ def describe_optimizer_steps(count: int) -> str:
 # cells.  Compared by identity.
 
 
-# id(module) -> (weak reference, its modules, their _parameters and _buffers dicts, their forward
-# (pre-)hook dicts, [(module, store)] for each of both): the walk is done once per module (a
-# checkpointed block keeps its shape)
-_block_structure: dict = {}
 _TENSOR_STORES = ("_parameters", "_buffers")
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 _GONE = object()
+#: set once a checkpointed block holding an nn.RReLU is seen: until then CKG009 costs one read
+rrelu_seen = [False]
 
 
-def _structure(module: Module) -> tuple:
+class _Structure:
+    """A checkpointed module's shape, walked once (a block keeps its shape).
+
+    ``snapshot()`` is generated for this shape (no loop, no per-module call:
+    it runs on every checkpoint call): ``(copies of each module's parameter
+    and buffer dicts, copies of its forward (pre-)hook dicts or None when
+    there are none, each module's training flag)``.
+    """
+
+    __slots__ = ("ref", "modules", "tensor_owners", "hook_owners", "rrelus", "snapshot")
+
+    def __init__(self, module: Module) -> None:
+        self.ref = weakref.ref(module)
+        self.modules = list(module.modules())
+        self.tensor_owners = [(m, store) for m in self.modules for store in _TENSOR_STORES]
+        self.hook_owners = [(m, store) for m in self.modules for store in _HOOK_DICTS]
+        self.rrelus = [m for m in self.modules if isinstance(m, torch.nn.RReLU)]  # CKG009's
+        if self.rrelus:
+            rrelu_seen[0] = True
+        namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
+        for prefix, owners in (("t", self.tensor_owners), ("h", self.hook_owners)):
+            namespace.update((f"{prefix}{i}", getattr(m, store)) for i, (m, store) in enumerate(owners))
+        namespace.update((f"m{i}", m) for i, m in enumerate(self.modules))
+        copies = lambda prefix, n: "".join(f"copy({prefix}{i}), " for i in range(n))  # noqa: E731
+        hooks = len(self.hook_owners)
+        source = (
+            "def snapshot():\n"
+            f"    return ({copies('t', len(self.tensor_owners))}), "
+            f"(({copies('h', hooks)}) if {' or '.join(f'h{i}' for i in range(hooks))} else None), "
+            f"({''.join(f'm{i}.training, ' for i in range(len(self.modules)))})\n"
+        )
+        exec(compile(source, f"<ckpt_guard snapshot of {type(module).__name__}>", "exec"), namespace)  # noqa: S102
+        self.snapshot = namespace["snapshot"]
+
+    @property
+    def tensor_dicts(self) -> list:
+        return [getattr(m, store) for m, store in self.tensor_owners]
+
+    @property
+    def hook_dicts(self) -> list:
+        return [getattr(m, store) for m, store in self.hook_owners]
+
+
+# id(module) -> its _Structure (which holds a weak reference to it, to tell a new module at the same id)
+_block_structure: dict = {}
+
+
+def _structure(module: Module) -> _Structure:
     entry = _block_structure.get(id(module))
-    if entry is None or entry[0]() is not module:
+    if entry is None or entry.ref() is not module:
         if len(_block_structure) >= 4096:
             _block_structure.clear()
-        modules = list(module.modules())
-        tensor_owners = [(m, store) for m in modules for store in _TENSOR_STORES]
-        hook_owners = [(m, store) for m in modules for store in _HOOK_DICTS]
-        entry = _block_structure[id(module)] = (
-            weakref.ref(module), modules,
-            [getattr(m, store) for m, store in tensor_owners], [getattr(m, store) for m, store in hook_owners],
-            tensor_owners, hook_owners,
-        )
+        entry = _block_structure[id(module)] = _Structure(module)
     return entry
 
 
@@ -502,8 +540,6 @@ def _block_module(function: object) -> object:
     return function
 
 
-_copy = dict.copy
-_training_of = operator.attrgetter("training")
 _NOTHING = ((), (), None)
 
 
@@ -527,9 +563,9 @@ def block_snapshot(function: object) -> tuple:
         function = function.__self__
     if isinstance(function, Module):
         entry = _block_structure.get(id(function))
-        if entry is None or entry[0]() is not function:
+        if entry is None or entry.ref() is not function:
             entry = _structure(function)
-        return tuple(map(_copy, entry[2])), tuple(map(_copy, entry[3])), tuple(map(_training_of, entry[1]))
+        return entry.snapshot()
     if kind is types.FunctionType and function.__closure__:
         try:
             return tuple([cell.cell_contents for cell in function.__closure__]), (), None
@@ -581,8 +617,10 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
             if cell.cell_contents is not old
         ]
     entry = _structure(block)
-    dicts, owners = (entry[3], entry[5]) if hooks else (entry[2], entry[4])
+    dicts, owners = (entry.hook_dicts, entry.hook_owners) if hooks else (entry.tensor_dicts, entry.tensor_owners)
     changes: list = []
+    if was is None:  # the forward ran without any hook
+        was = tuple({} for _ in dicts)
     if len(dicts) != len(was):
         return changes
     for (module, store), forward, current in zip(owners, was, dicts):
@@ -696,7 +734,7 @@ def describe_training(training: Optional[tuple]) -> str:
 
 def retrained(was: tuple, function: object) -> list:
     """``[(module, forward flag)]`` for each module whose train/eval mode differs now from ``was``."""
-    modules = _structure(_block_module(function))[1]
+    modules = _structure(_block_module(function)).modules
     if len(modules) != len(was):
         return []
     return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
@@ -742,36 +780,25 @@ class CallState:
         return frozenset(name for name, _ in self.transforms)
 
 
-# id(module) -> (weak reference to it, its nn.RReLU submodules): RReLU is rare, the
-# question is asked on every non-reentrant call, so the walk is done once per module
-_rrelu_submodules: dict = {}
-
-
-def _rrelu_of(module: Module) -> list:
-    entry = _rrelu_submodules.get(id(module))
-    if entry is None or entry[0]() is not module:
-        if len(_rrelu_submodules) >= 4096:
-            _rrelu_submodules.clear()
-        rrelu = torch.nn.RReLU
-        entry = _rrelu_submodules[id(module)] = (weakref.ref(module), [m for m in module.modules() if isinstance(m, rrelu)])
-    return entry[1]
-
-
 def rrelu_training(function: object, early_stop: bool = True) -> bool:
     """CKG009: a module the call runs holds an nn.RReLU in training mode, with early stop on.
 
     Only where the module is plain to see (the module, its bound method, a
-    partial of either): this runs on every non-reentrant call.
+    partial of either): this runs on every non-reentrant call, so it reads
+    the block's cached structure (the RReLU modules found once).
     """
-    if not early_stop or _checkpoint.get("_enable_checkpoint_early_stop", True) is False:
-        return False
-    if type(function) is functools.partial:
+    kind = type(function)
+    if kind is functools.partial:
         function = function.func
-    if type(function) is _MethodType:
+        kind = type(function)
+    if kind is _MethodType:
         function = function.__self__
     if not isinstance(function, Module):
         return False
-    for m in _rrelu_of(function):
+    rrelus = _structure(function).rrelus
+    if not rrelus or not early_stop or _checkpoint.get("_enable_checkpoint_early_stop", True) is False:
+        return False
+    for m in rrelus:
         if m.training:
             return True
     return False
@@ -883,7 +910,6 @@ def drew_random(before: tuple) -> bool:
 def clear_caches() -> None:
     """Forget what was learnt about classes (``uninstall()``: the guard holds nothing)."""
     _infrastructure_classes.clear()
-    _rrelu_submodules.clear()
     _block_structure.clear()
     _mode_dependent_classes.clear()
     _reads.clear_caches()
