@@ -113,6 +113,17 @@ class Refused(Exception):
         self.reason = reason
 
 
+class UnrepeatableForward(RuntimeError):
+    """The forward updated an input in place without the proof keeping its value first.
+
+    The run-time proof's net under its in-place tracking: the input's version
+    counter moved, and no copy of what it held was kept, so a recompute would
+    start from the updated value.  Raised whatever the policy: the forward has
+    already run (its update cannot be undone), so running the block again
+    plainly would update it twice.
+    """
+
+
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
 SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 
@@ -223,6 +234,7 @@ class Plan:
             check.given(tensors)
             with check:
                 output = function(*args, **kwargs)
+            check.raise_refusal()  # one the block's own ``except Exception`` caught
             check.check_outputs(_output_tensors(output))
             return output
 
@@ -274,6 +286,7 @@ class Plan:
                     outputs = self.pure(given, check, first=True)
         self.checked = True
         if check is not None:  # what the block updated in place: the recompute starts from the forward's values
+            self._no_unseen_updates(tensors, check)
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
             self.check = None
         # An input returned as is (a mask passed through) cannot also be saved for backward by a
@@ -309,6 +322,31 @@ class Plan:
             for i, kept in check.before.items():
                 if self._updated(i, kept, tensors[i]):
                     tensors[i].copy_(kept)
+
+    def _no_unseen_updates(self, tensors: Sequence[Tensor], check: _proof.ReadCheck) -> None:
+        """Raise :class:`UnrepeatableForward` if the forward moved an input's version with no copy kept.
+
+        Also for an input that needs a gradient: the recompute differentiates
+        it as it is now, not as the forward found it.
+        """
+        for i, (t, was) in enumerate(zip(tensors, self.versions)):
+            if was is None or _version(t) == was or (i in check.before and not self.needs[i]):
+                continue
+            how = (
+                "an input that needs a gradient" if self.needs[i]
+                else "in a way the run-time proof did not see coming (a C extension, say)"
+            )
+            path = None
+            if self.original_function is not None and i < len(self.inputs):
+                path = _rebind.describe_path(self.original_function, self.args, self.kwargs, self.inputs[i])
+            raise UnrepeatableForward(
+                f"ckpt_guard's composable recompute: the checkpointed block updated "
+                f"{path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place, {how}. "
+                "Its recompute would start from the "
+                "updated value and return wrong gradients, so the call stops here (the forward has "
+                "already updated it: it is not run again). Pass the block a copy (x.clone()), or make "
+                "the update outside the checkpointed block."
+            )
 
     def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)

@@ -35,7 +35,7 @@ import sys
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-from torch._C._functorch import is_functorch_wrapped_tensor
+from torch._C._functorch import get_unwrapped as _get_unwrapped, is_functorch_wrapped_tensor
 from torch.overrides import TorchFunctionMode
 
 Tensor = torch.Tensor
@@ -60,66 +60,109 @@ class ReadCheck(TorchFunctionMode):
     """Refuses an operation on a tensor that needs a gradient and is neither given nor computed.
 
     It also keeps, before an operation that may update one of the given
-    tensors in place (``add_``, ``batch_norm``'s running statistics, ...), a
-    copy of that tensor's *source* (``sources``: the tensors the given ones
-    stand for, index for index): ``before`` maps the index to the copy, so the
-    recompute can start from what the forward started from.
+    tensors in place (``add_``, ``inplace=True``, ``out=``, BatchNorm's running
+    statistics, through the tensor itself, a view of it or its ``.data``), a
+    copy of what that given tensor stands for, so that the recompute can start
+    from what the forward started from.  ``sources`` are those tensors (the
+    recompute's inputs, index for index with the given ones); ``before`` maps
+    an input's index to the copy kept of it.
+
+    A refusal is also recorded in ``refused``: the block's own ``try: ...
+    except Exception`` cannot swallow it (:meth:`raise_refusal` raises it again
+    after the forward).
     """
 
     def __init__(self, sources: Sequence[Any] = ()) -> None:
         super().__init__()
         self.known: set = set()
         self.sources = sources
-        self.index: dict = {}
+        self.index_of: dict = {}  # id(given tensor) -> its input index
+        self.index_of_storage: Optional[dict] = None  # storage address -> input index (made on first need)
         self.before: dict = {}
+        self.refused: Optional[Unlifted] = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         known = self.known
-        if self.index and _may_update(func, kwargs):
+        if self.index_of and _may_update(func, kwargs):
             self._keep_before(args, kwargs)
         for arg in args:
             if isinstance(arg, Tensor):
                 if id(arg) not in known and _carries_gradient(arg):
-                    raise Unlifted(arg, _name(func), _block_site())
-            elif type(arg) in (list, tuple):
+                    self._refuse(arg, _name(func))
+            elif isinstance(arg, (list, tuple)):
                 for item in arg:
                     if isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item):
-                        raise Unlifted(item, _name(func), _block_site())
+                        self._refuse(item, _name(func))
         if kwargs:
             for value in kwargs.values():
-                if isinstance(value, Tensor) and id(value) not in known and _carries_gradient(value):
-                    raise Unlifted(value, _name(func), _block_site())
+                for item in (value if isinstance(value, (list, tuple)) else (value,)):
+                    if isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item):
+                        self._refuse(item, _name(func))
         else:
             kwargs = {}
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             known.add(id(out))
-        elif type(out) in (tuple, list):
+        elif isinstance(out, (tuple, list)):  # torch.return_types (max, sort, topk, ...) are tuples too
             for item in out:
                 if isinstance(item, Tensor):
                     known.add(id(item))
         return out
 
+    def _refuse(self, tensor: Tensor, operation: str) -> None:
+        refusal = Unlifted(tensor, operation, _block_site())
+        if self.refused is None:
+            self.refused = refusal
+        raise refusal
+
+    def raise_refusal(self) -> None:
+        """Raise the first refusal again, if the block caught it and went on."""
+        if self.refused is not None:
+            raise self.refused
+
     def given(self, tensors: Sequence[Any]) -> None:
         """Tensors the block is given (a recompute's inputs, at whatever level they arrive)."""
         self.known.update(id(t) for t in tensors if isinstance(t, Tensor))
         if self.sources:
-            self.index = {id(t): i for i, t in enumerate(tensors) if isinstance(t, Tensor)}
+            self.index_of = {id(t): i for i, t in enumerate(tensors) if isinstance(t, Tensor)}
 
     def _keep_before(self, args: tuple, kwargs: Optional[dict]) -> None:
+        """Copy each given tensor the coming operation may write into (at most once per input)."""
         for arg in (*args, *(kwargs or {}).values()):
-            for item in (arg if type(arg) in (list, tuple) else (arg,)):
+            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
                 if isinstance(item, Tensor):
-                    i = self.index.get(id(item))
+                    i = self.index_of.get(id(item))
+                    if i is None:  # a view of a given tensor, or its .data: the same memory
+                        i = self._storages().get(_storage_address(item))
                     if i is not None and i not in self.before:
                         source = self.sources[i]
                         if not is_functorch_wrapped_tensor(source):
                             self.before[i] = source.detach().clone()
 
+    def _storages(self) -> dict:
+        if self.index_of_storage is None:
+            found = {}
+            for i, source in enumerate(self.sources):
+                address = _storage_address(source) if isinstance(source, Tensor) else None
+                if address:
+                    found.setdefault(address, i)
+            self.index_of_storage = found
+        return self.index_of_storage
+
     def check_outputs(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
             if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t):
-                raise Unlifted(t, "returned", _block_site())
+                self._refuse(t, "returned")
+
+
+def _storage_address(tensor: Tensor) -> Optional[int]:
+    """Where a tensor's memory starts (through torch.func's wrappers); None where there is none to read."""
+    try:
+        while is_functorch_wrapped_tensor(tensor):
+            tensor = _get_unwrapped(tensor)
+        return tensor.untyped_storage().data_ptr() or None
+    except Exception:  # noqa: BLE001 - a tensor without storage (meta, a subclass): matched by identity only
+        return None
 
 
 _UPDATING = frozenset({
@@ -130,9 +173,21 @@ _UPDATING = frozenset({
 
 
 def _may_update(func: Any, kwargs: Optional[dict]) -> bool:
-    """Whether ``func`` may write into one of its arguments (an ``_`` method, ``out=``, BatchNorm's statistics)."""
+    """Whether ``func`` may write into one of its arguments.
+
+    An ``_`` method, ``out=``, ``inplace=True`` (``torch.nn.functional`` hands
+    it on as a keyword), BatchNorm's running statistics, ``x[i] = ...``.
+    """
     name = getattr(func, "__name__", "") or ""
-    return (name.endswith("_") and not name.endswith("__")) or name in _UPDATING or bool(kwargs and "out" in kwargs)
+    if (name.endswith("_") and not name.endswith("__")) or name in _UPDATING:
+        return True
+    if kwargs and ("out" in kwargs or kwargs.get("inplace") is True):
+        return True
+    schema = getattr(func, "_schema", None)  # torch.ops.aten.add_.Tensor: its schema says what it writes
+    if schema is not None:
+        return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    # autograd.Function.apply, where a release hands it to the mode whole: its forward runs unseen
+    return name == "apply"
 
 
 def _name(func: Any) -> str:

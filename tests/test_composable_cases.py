@@ -349,3 +349,137 @@ def test_a_hook_removed_after_the_forward_still_runs_in_the_recompute():
 
     for entry in ENTRIES:
         assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+# --------------------------------------------------------------------------
+# what a fresh-eyes review found: blocks the proof misread, updates it missed
+
+
+def test_named_tuple_results_count_as_computed():
+    """torch.return_types (max, sort, topk) are tuple subclasses: their tensors were taken for unlifted reads."""
+    def program(ckpt):
+        block = lambda t: LINEAR(t).max(-1).values.sum() + LINEAR(t).sort(-1).values[..., 0].sum()  # noqa: E731
+        return grad(lambda t: ckpt(block, t))(X), vmap(grad(lambda t: ckpt(block, t)))(XS[0])
+
+    for entry in ENTRIES:
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+IN_PLACE_UPDATES = {
+    "inplace=True": lambda b: torch.nn.functional.elu(b, inplace=True),
+    "inplace positionally": lambda b: torch.nn.functional.leaky_relu(b, 0.1, True),
+    "through a view": lambda b: b[:1].mul_(2),
+    "through .data": lambda b: b.data.mul_(2),
+    "an aten overload": lambda b: torch.ops.aten.add_.Tensor(b, 1.0),
+}
+
+
+@pytest.mark.parametrize("how", list(IN_PLACE_UPDATES))
+def test_an_input_updated_in_place_is_recomputed_from_its_forward_value(how):
+    """The recompute starts from what the forward started from, whichever way the block wrote into it."""
+    update = IN_PLACE_UPDATES[how]
+
+    def block(t, buffer):
+        update(buffer)
+        return (LINEAR(t) * buffer).pow(2).sum()
+
+    def program(ckpt):
+        buffer = torch.randn(2, 3, generator=torch.Generator().manual_seed(4))
+        return grad(lambda t, b: ckpt(block, t, b))(X, buffer), buffer
+
+    for entry in ENTRIES:
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+def test_an_update_the_proof_cannot_see_stops_the_call():
+    """Written with torch functions off (as a C extension may): a loud error, never a recompute from the new value."""
+    def block(t, buffer):
+        with torch._C.DisableTorchFunction():
+            buffer.mul_(2)
+        return (LINEAR(t) * buffer).pow(2).sum()
+
+    for policy in ("strict", "fallback"):
+        with ckpt_guard.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(_composable.UnrepeatableForward, match=r"argument 1 \(a \(2, 3\) tensor\) in place"):
+                grad(lambda t, b: ckpt_guard.checkpoint(block, t, b))(X, torch.randn(2, 3))
+
+
+HIDDEN = torch.randn(3, requires_grad=True, generator=torch.Generator().manual_seed(5))
+
+
+def test_a_refusal_the_block_catches_still_stops_it():
+    """The block's own ``except Exception`` around a read the proof refuses: refused (strict) or right (fallback)."""
+    import sys
+
+    def block(t):
+        try:  # read through a lookup no walk can follow
+            scale = getattr(sys.modules[__name__], "HID" + "DEN")
+            return (LINEAR(t) * scale).pow(2).sum()
+        except Exception:  # noqa: BLE001 - what the test is about
+            return LINEAR(t).pow(2).sum()
+
+    def program(ckpt):
+        return grad(lambda t: ckpt(block, t))(X)
+
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match="not lifted"):
+        program(ckpt_guard.checkpoint)
+    for entry in ("public fallback", "torch fallback"):
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+def test_eager_swap_the_guard_did_not_track_is_ckg101():
+    """No install(), a swap outside transforms, a block the proof refuses: never torch's recompute of other weights."""
+    import sys
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    fast = {k: (v * 2).detach().requires_grad_() for k, v in net.named_parameters()}
+
+    def block(t):
+        return net(t) * getattr(sys.modules[__name__], "HID" + "DEN").detach().requires_grad_()
+
+    def outer_grads(ckpt):
+        with torch.nn.utils.stateless._reparametrize_module(net, fast):
+            loss = ckpt(block, X).pow(2).sum()
+        return torch.autograd.grad(loss, list(fast.values()), allow_unused=True)  # after the swap ended
+
+    ckpt_guard.uninstall()
+    reference = outer_grads(plain)
+    raw = outer_grads(torch_checkpoint)
+    assert any(r is None or not torch.allclose(r, e) for r, e in zip(raw, reference)), "torch alone is wrong here"
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=r"\[CKG101\][\s\S]*not lifted"):
+        outer_grads(ckpt_guard.checkpoint)
+    with ckpt_guard.policy("fallback"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="CKG101"):
+        got = outer_grads(ckpt_guard.checkpoint)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+    with ckpt_guard.policy("warn"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="CKG101"):
+        outer_grads(ckpt_guard.checkpoint)
+
+
+def test_the_guard_keeps_no_checkpointed_model_alive():
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    model[0].register_forward_hook(lambda module, inputs, out: None)
+    checkpoint(model, X.requires_grad_(), use_reentrant=False).sum().backward()
+    X.requires_grad_(False)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_hook_on_a_submodule_added_after_the_first_call_is_watched():
+    """The block's shape changed since the guard first walked it: the new submodule's hooks count too (CKG111)."""
+    seq = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    x = X.clone().requires_grad_()
+    checkpoint(seq, x, use_reentrant=False).sum().backward()  # walked once
+    seq.append(torch.nn.Linear(3, 3))
+    handle = seq[1].register_forward_hook(lambda module, inputs, out: out * 2)
+    out = checkpoint(seq, x, use_reentrant=False).sum()
+    handle.remove()
+    with pytest.raises(CheckpointCompositionError, match="CKG111"):
+        out.backward()
