@@ -552,13 +552,15 @@ class RngWatch:
 
     The patch point hands torch ``function``, with ``preserve_rng_state`` (True
     under fallback: the safe alternative), and records in ``drew[0]`` whether
-    the forward advanced the CPU or a CUDA RNG.
+    the forward advanced the CPU or a CUDA RNG; ``early_stop_off``: fallback
+    also switches early stop off (CKG009, as :class:`EarlyStopOff`).
     """
 
-    __slots__ = ("function", "preserve_rng_state", "drew")
+    __slots__ = ("function", "preserve_rng_state", "drew", "early_stop_off")
 
-    def __init__(self, function: Any, preserve_rng_state: bool, drew: list) -> None:
+    def __init__(self, function: Any, preserve_rng_state: bool, drew: list, early_stop_off: bool = False) -> None:
         self.function, self.preserve_rng_state, self.drew = function, preserve_rng_state, drew
+        self.early_stop_off = early_stop_off
 
 
 class EarlyStopOff:
@@ -651,7 +653,7 @@ def prepare_call(
     if reentrant and _len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
     if drew is not None:
-        return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew)
+        return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew, no_early_stop)
     return EarlyStopOff(guarded) if no_early_stop else guarded
 
 
@@ -947,10 +949,35 @@ def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
         changes = _state.rebound(was, function, hooks=rule.read == "block_hooks")
         if not changes or any(store == "new" for _, store, _, _ in changes):
             return None  # something the forward did not have: nothing to put back
-        return _forward_bindings(changes), (
+        derived = _derived_bindings(changes)
+        if derived is None:
+            return None  # a module keeps its own view of the tensor: binding the name would not reach it
+        return _forward_bindings(changes + derived), (
             "recomputing with what the forward read, bound for this recompute on its thread (policy fallback)"
         )
     return None
+
+
+def _derived_bindings(changes: list) -> Optional[list]:
+    """What else to bind so the recompute reads the forward's tensors; None where that is unknown.
+
+    A module whose class has its own ``__setattr__`` may keep its own view
+    of a tensor set on it: an RNN keeps ``_flat_weights`` (its forward reads
+    that list, not the attributes), which is re-bound too.  Any other such
+    class: no replay (fallback then raises, as strict), never a recompute
+    that silently reads the new tensor.
+    """
+    flat_weights: dict = {}  # id(rnn) -> (rnn, its _flat_weights with the forward's tensors put back)
+    for owner, store, name, value in changes:
+        if store not in ("_parameters", "_buffers") or type(owner).__setattr__ is _Module.__setattr__:
+            continue
+        names = owner.__dict__.get("_flat_weights_names")
+        flat = owner.__dict__.get("_flat_weights")
+        if not (isinstance(owner, _torch.nn.RNNBase) and names is not None and flat is not None and name in names):
+            return None
+        _, replaced = flat_weights.setdefault(id(owner), (owner, list(flat)))
+        replaced[list(names).index(name)] = value
+    return [(rnn, "__dict__", "_flat_weights", replaced) for rnn, replaced in flat_weights.values()]
 
 
 @contextlib.contextmanager
@@ -1280,6 +1307,47 @@ _TORCH_OPTIONS = frozenset(
 )
 
 
+def _untracked_swap(
+    function: Any, args: tuple, kwargs: dict, block_kwargs: dict, options: dict, config: _config.Config,
+    context_fn: Any, reason: str,
+) -> Any:
+    """CKG101 for ``ckpt_guard.checkpoint`` outside transforms, under a swap the guard did not track.
+
+    The composable recompute refused the block, and torch's recompute would run
+    after the swap ended, reading the module's own parameters; the choke points
+    cannot see this swap (no ``install()``, or a swap made without
+    ``functional_call``), so the rule is applied here, under the policy in force.
+    """
+    rule = _SWAP_RULE
+    policy = config.policy_for(rule.id)
+    if policy == "off":
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    site_frame, _ = user_frame(sys._getframe(2))
+    site = describe_site(site_frame)
+    message = build_message(
+        rule, site=site, variant=describe_variant(False, False), policy=policy, source=config.source,
+        anticipated=policy != "strict", worked=policy == "fallback",
+        action={
+            "strict": "raised before running the checkpointed function (policy strict)",
+            "warn": "ran torch's checkpoint as asked (policy warn)",
+            "fallback": "ran it without checkpointing (policy fallback)",
+        }[policy],
+        **_where(function, (), site_frame),
+    ) + f"\n  ckpt_guard.checkpoint could not use its composable recompute here: {reason}"
+    if policy == "strict":
+        _events.emit(rule.id, policy, "raised", site, "call")
+        raise CheckpointCompositionError(message, rule)
+    _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT if policy == "fallback" else PROCEED][0], site, "call")
+    _warn(message, rule)
+    if policy == "warn":
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    with forward_context_of(context_fn) or contextlib.nullcontext():
+        return function(*args, **block_kwargs)
+
+
+_SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")
+
+
 def public_checkpoint(
     function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool,
 ) -> Any:
@@ -1322,8 +1390,10 @@ def public_checkpoint(
             return _composable.run(built)
         except _composable.Refused as refused:  # the run-time proof: decided below, as a plan refusal
             built = refused.reason
-    if eager:  # torch's checkpoint, guarded as any call (CKG101 if the recompute would read other tensors)
-        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    if eager:
+        if _state.swaps_active_here():  # torch's checkpoint, guarded as any call: the guard sees this swap
+            return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+        return _untracked_swap(function, args, kwargs, block_kwargs, options, config, context_fn, built)
     try:
         outcome = decide_call(False, function, args, config)  # strict raises the rule's explanation
     except CheckpointCompositionError as exc:

@@ -198,8 +198,10 @@ def _guard_generator(original: Callable[..., Any], decide: Any) -> Callable[...,
         if type(decision) is EarlyStopOff:
             return without_early_stop(lambda: original(decision.function, *args, **kwargs))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
-            inner = original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
-            return watch_forward_rng(inner, decision.drew)
+            def start() -> Iterator[Any]:
+                return original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
+
+            return watch_forward_rng(without_early_stop(start) if decision.early_stop_off else start(), decision.drew)
         return original(decision, *args, **kwargs)
 
     return _checkpoint_without_reentrant_generator
@@ -235,7 +237,11 @@ def _guard_generator_impl(original: Callable[..., Any], decide: Any) -> Callable
             return without_early_stop(lambda: original(decision.function, args, kwargs, **options))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
             options["preserve_rng_state"] = decision.preserve_rng_state
-            return watch_forward_rng(original(decision.function, args, kwargs, **options), decision.drew)
+
+            def start() -> Iterator[Any]:
+                return original(decision.function, args, kwargs, **options)
+
+            return watch_forward_rng(without_early_stop(start) if decision.early_stop_off else start(), decision.drew)
         return original(decision, args, kwargs, **options)
 
     return _checkpoint_without_reentrant_generator_impl

@@ -28,10 +28,14 @@ in their place, without anything another thread could see:
   :class:`_Slots` dict that answers each thread from that thread's own view
   and every other thread from the real entries.  A plain attribute of the
   module (``m.scale = s``, a monkeypatched ``forward``, its forward-hook
-  dict) is moved into the buffers dict for that time, hidden from iteration,
-  where ``nn.Module.__getattr__`` finds it, again per thread.  When the last
-  thread leaves, the module's own dicts hold exactly what they held (the
-  same objects), plus whatever was assigned to them meanwhile.
+  dict) is bound through the module's class: for that time the module's
+  ``__class__`` is a stand-in subclass (same name) whose
+  :class:`_ThreadAttribute` data descriptors answer each binding thread from
+  its view and every other thread from the module's ``__dict__``.  Other
+  threads see the same values, but ``type(module)`` is the stand-in while a
+  binding lasts (``isinstance`` still holds).  When the last thread leaves,
+  the module's own dicts hold exactly what they held (the same objects), plus
+  whatever was assigned to them meanwhile, and its own class is back.
 """
 
 from __future__ import annotations
@@ -102,14 +106,15 @@ class _ThreadAttribute:
     left untouched.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "base")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, base: type) -> None:
         self.name = name
+        self.base = base  # the module's own class
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         if obj is None:
-            return getattr(owner.__mro__[1], self.name)
+            return getattr(self.base, self.name)
         views = _attribute_views.get(id(obj))
         if views:
             view = views.get(_get_ident())
@@ -118,8 +123,15 @@ class _ThreadAttribute:
         found = obj.__dict__.get(self.name, _ABSENT)
         if found is not _ABSENT:
             return found
-        # the class's own (a method, bound), else AttributeError: then Module.__getattr__ runs
-        return getattr(super(type(obj), obj), self.name)
+        # The module's own class's (a method, bound), else AttributeError: then Module.__getattr__
+        # runs.  Looked up on that class, not through type(obj): another thread may put the
+        # module's own class back while this lookup runs.
+        for cls in self.base.__mro__:
+            if self.name in cls.__dict__:
+                found = cls.__dict__[self.name]
+                get = getattr(type(found), "__get__", None)
+                return get(found, obj, self.base) if get is not None else found
+        raise AttributeError(self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
         views = _attribute_views.get(id(obj))
@@ -181,7 +193,7 @@ def _stand_in_class(cls: type, names: frozenset) -> type:
     if found is None:
         if len(_stand_in_classes) >= 256:
             _stand_in_classes.clear()
-        namespace: Dict[str, Any] = {name: _ThreadAttribute(name) for name in names}
+        namespace: Dict[str, Any] = {name: _ThreadAttribute(name, cls) for name in names}
         namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
         found = _stand_in_classes[(cls, names)] = type(cls.__name__, (cls,), namespace)
     return found

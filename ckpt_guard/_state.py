@@ -476,49 +476,92 @@ rrelu_seen = [False]
 
 
 class _Structure:
-    """A checkpointed module's shape, walked once (a block keeps its shape).
+    """A checkpointed module's shape, walked once per module (a block keeps its shape).
 
-    ``snapshot()`` is generated for this shape (no loop, no per-module call:
-    it runs on every checkpoint call): ``(copies of each module's parameter
-    and buffer dicts, copies of its forward (pre-)hook dicts or None when
-    there are none, each module's training flag)``.
+    It holds no module (a weak reference to check the id, the submodules'
+    paths): the guard must never keep a model alive.  ``snapshot(module)`` is
+    generated for the shape and shared by every module of that shape (no loop,
+    no per-module call: it runs on every checkpoint call).  It walks from the
+    module to each submodule by name, as the forward will, and returns
+    ``(copies of each module's parameter and buffer dicts, copies of its
+    forward (pre-)hook dicts or None when there are none, each module's
+    training flag)``, or None when the module no longer has this shape (a
+    submodule added, removed or replaced by one of another shape): the
+    structure is then walked again.
     """
 
-    __slots__ = ("ref", "modules", "tensor_owners", "hook_owners", "rrelus", "snapshot")
+    __slots__ = ("ref", "paths", "rrelus", "snapshot")
 
     def __init__(self, module: Module) -> None:
         self.ref = weakref.ref(module)
-        self.modules = list(module.modules())
-        self.tensor_owners = [(m, store) for m in self.modules for store in _TENSOR_STORES]
-        self.hook_owners = [(m, store) for m in self.modules for store in _HOOK_DICTS]
-        self.rrelus = [m for m in self.modules if isinstance(m, torch.nn.RReLU)]  # CKG009's
+        named = list(module.named_modules())
+        self.paths = tuple(path for path, _ in named)
+        self.rrelus = [weakref.ref(m) for _, m in named if isinstance(m, torch.nn.RReLU)]  # CKG009's
         if self.rrelus:
             rrelu_seen[0] = True
-        namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
-        for prefix, owners in (("t", self.tensor_owners), ("h", self.hook_owners)):
-            namespace.update((f"{prefix}{i}", getattr(m, store)) for i, (m, store) in enumerate(owners))
-        namespace.update((f"m{i}", m) for i, m in enumerate(self.modules))
-        copies = lambda prefix, n: "".join(f"copy({prefix}{i}), " for i in range(n))  # noqa: E731
-        hooks = len(self.hook_owners)
-        source = (
-            "def snapshot():\n"
-            f"    return ({copies('t', len(self.tensor_owners))}), "
-            f"(({copies('h', hooks)}) if {' or '.join(f'h{i}' for i in range(hooks))} else None), "
-            f"({''.join(f'm{i}.training, ' for i in range(len(self.modules)))})\n"
-        )
-        exec(compile(source, f"<ckpt_guard snapshot of {type(module).__name__}>", "exec"), namespace)  # noqa: S102
-        self.snapshot = namespace["snapshot"]
+        shape = tuple((path, len(m._modules)) for path, m in named)
+        self.snapshot = _snapshots.get(shape) or _compile_snapshot(shape)
 
-    @property
-    def tensor_dicts(self) -> list:
-        return [getattr(m, store) for m, store in self.tensor_owners]
+    def modules(self, module: Module) -> list:
+        """The modules in snapshot order (for messages and replays, not the hot path); [] if the shape changed."""
+        try:
+            return [module.get_submodule(path) for path in self.paths]
+        except AttributeError:
+            return []
 
-    @property
-    def hook_dicts(self) -> list:
-        return [getattr(m, store) for m, store in self.hook_owners]
+    def owners(self, module: Module, stores: tuple) -> list:
+        return [(m, store) for m in self.modules(module) for store in stores]
 
 
-# id(module) -> its _Structure (which holds a weak reference to it, to tell a new module at the same id)
+# the module's shape -> its generated snapshot
+_snapshots: dict = {}
+
+
+def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
+    # Each module's __dict__ is read once and subscripted: an attribute read on a
+    # module goes through nn.Module's __getattr__ hook, several times slower.
+    index = {path: i for i, (path, _) in enumerate(shape)}
+    walk = []
+    for i, (path, _) in enumerate(shape[1:], start=1):
+        parent, _, name = path.rpartition(".")
+        walk.append(f"        d{i} = d{index[parent]}['_modules'][{name!r}].__dict__\n")
+    modules = range(len(shape))
+    same = " and ".join(f"len(d{i}['_modules']) == {n}" for i, (_, n) in enumerate(shape))
+    tensors = "".join(f"copy(d{i}['_parameters']), copy(d{i}['_buffers']), " for i in modules)
+    hooks = "".join(f"copy(d{i}['_forward_pre_hooks']), copy(d{i}['_forward_hooks']), " for i in modules)
+    any_hook = " or ".join(f"d{i}['_forward_pre_hooks'] or d{i}['_forward_hooks']" for i in modules)
+    flags = "".join(f"d{i}['training'], " for i in modules)
+    source = (
+        "def snapshot(m0):\n"
+        "    try:\n"
+        "        d0 = m0.__dict__\n"
+        f"{''.join(walk)}"
+        f"        if not ({same}):\n"
+        "            return None\n"
+        f"        return ({tensors}), (({hooks}) if {any_hook} else None), ({flags})\n"
+        "    except (KeyError, AttributeError):  # a submodule gone or None, or a module unlike nn.Module's\n"
+        "        return None\n"
+    )
+    namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
+    exec(compile(source, "<ckpt_guard block snapshot>", "exec"), namespace)  # noqa: S102 - from the module's shape
+    if len(_snapshots) >= 1024:
+        _snapshots.clear()
+    snapshot = _snapshots[shape] = namespace["snapshot"]
+    return snapshot
+
+
+def _read_snapshot(module: Module) -> tuple:
+    """What a generated snapshot returns, read plainly (a module its code cannot read, say a property ``training``)."""
+    modules = list(module.modules())
+    hooks = [getattr(m, store) for m in modules for store in _HOOK_DICTS]
+    return (
+        tuple(dict(getattr(m, store)) for m in modules for store in _TENSOR_STORES),
+        tuple(dict(h) for h in hooks) if any(hooks) else None,
+        tuple(bool(m.training) for m in modules),
+    )
+
+
+# id(module) -> its _Structure (whose weak reference tells a new module at the same id)
 _block_structure: dict = {}
 
 
@@ -565,7 +608,13 @@ def block_snapshot(function: object) -> tuple:
         entry = _block_structure.get(id(function))
         if entry is None or entry.ref() is not function:
             entry = _structure(function)
-        return entry.snapshot()
+        snapshot = entry.snapshot(function)
+        if snapshot is None:  # its shape changed since it was walked
+            del _block_structure[id(function)]
+            snapshot = _structure(function).snapshot(function)
+            if snapshot is None:
+                return _read_snapshot(function)
+        return snapshot
     if kind is types.FunctionType and function.__closure__:
         try:
             return tuple([cell.cell_contents for cell in function.__closure__]), (), None
@@ -575,7 +624,10 @@ def block_snapshot(function: object) -> tuple:
 
 
 def differs(was: object, now: object) -> bool:
-    """``was != now`` for captured state; a tensor that is not the same object differs (no ``==``)."""
+    """``was != now`` for captured state, as Python compares containers: identical entries are equal
+    without a look.  A tensor that is another object is compared by ``==`` (a kernel, on drift
+    only): one of several elements cannot be (so it differs), a one-element one equal in value
+    counts as the same (its recompute computes the same numbers)."""
     try:
         return bool(was != now)
     except Exception:  # noqa: BLE001 - a tensor compared with another: ambiguous, so not the same
@@ -616,8 +668,8 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
             for cell, name, old in zip(cells, block.__code__.co_freevars, was)
             if cell.cell_contents is not old
         ]
-    entry = _structure(block)
-    dicts, owners = (entry.hook_dicts, entry.hook_owners) if hooks else (entry.tensor_dicts, entry.tensor_owners)
+    owners = _structure(block).owners(block, _HOOK_DICTS if hooks else _TENSOR_STORES)
+    dicts = [getattr(m, store) for m, store in owners]
     changes: list = []
     if was is None:  # the forward ran without any hook
         was = tuple({} for _ in dicts)
@@ -734,7 +786,8 @@ def describe_training(training: Optional[tuple]) -> str:
 
 def retrained(was: tuple, function: object) -> list:
     """``[(module, forward flag)]`` for each module whose train/eval mode differs now from ``was``."""
-    modules = _structure(_block_module(function)).modules
+    block = _block_module(function)
+    modules = _structure(block).modules(block)
     if len(modules) != len(was):
         return []
     return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
@@ -798,8 +851,9 @@ def rrelu_training(function: object, early_stop: bool = True) -> bool:
     rrelus = _structure(function).rrelus
     if not rrelus or not early_stop or _checkpoint.get("_enable_checkpoint_early_stop", True) is False:
         return False
-    for m in rrelus:
-        if m.training:
+    for ref in rrelus:
+        m = ref()
+        if m is not None and m.training:
             return True
     return False
 
@@ -911,5 +965,6 @@ def clear_caches() -> None:
     """Forget what was learnt about classes (``uninstall()``: the guard holds nothing)."""
     _infrastructure_classes.clear()
     _block_structure.clear()
+    _snapshots.clear()
     _mode_dependent_classes.clear()
     _reads.clear_caches()

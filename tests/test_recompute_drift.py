@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
-from conftest import run_raw
+from conftest import all_close, assert_all_close, no_checkpoint, run_guarded, run_raw
 
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
@@ -568,3 +568,51 @@ def test_second_order_maml_says_which_tensors_changed_and_what_fits():
         guarded = _second_order_maml(net, x)
     for g, e in zip(guarded, reference):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_rebound_rnn_weight_is_replayed_through_its_flat_weights(kind):
+    """CKG110 under fallback for an RNN, whose forward reads its own ``_flat_weights`` list, not the attribute."""
+
+    def probe(ckpt, use_reentrant):
+        torch.manual_seed(0)
+        rnn = getattr(torch.nn, kind)(4, 4)
+        x = torch.randn(3, 2, 4, requires_grad=True)
+        old = rnn.weight_hh_l0
+        out = ckpt(rnn, x, use_reentrant=use_reentrant)[0].pow(2).sum()
+        del rnn.weight_hh_l0
+        rnn.weight_hh_l0 = (old * 3).detach()  # re-bound (a plain tensor now), not updated in place
+        return torch.autograd.grad(out, [old, x])
+
+    reference = probe(no_checkpoint, False)
+    try:  # torch alone recomputes with the new weight: wrong numbers, or a count of saved tensors off
+        assert not all_close(run_raw(probe, False), reference)
+    except torch.utils.checkpoint.CheckpointError:
+        pass
+    with pytest.warns(CheckpointCompositionWarning, match="CKG110"):
+        assert_all_close(run_guarded(probe, False, "fallback"), reference)
+
+
+def test_a_rebound_weight_of_a_module_with_its_own_setattr_is_not_replayed():
+    """A class whose ``__setattr__`` may keep its own view of the tensor: fallback raises rather than guess."""
+
+    class Cached(torch.nn.Linear):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "weight":
+                super().__setattr__("_cached", value)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self._cached, self.bias)
+
+    def probe(ckpt, use_reentrant):
+        torch.manual_seed(0)
+        lin = Cached(3, 3)
+        x = torch.randn(2, 3, requires_grad=True)
+        old = lin.weight
+        out = ckpt(lin, x, use_reentrant=use_reentrant).pow(2).sum()
+        lin.weight = torch.nn.Parameter(old.detach() * 3)
+        return torch.autograd.grad(out, [old, x])
+
+    with pytest.raises(CheckpointCompositionError, match="CKG110"):
+        run_guarded(probe, False, "fallback")

@@ -462,3 +462,26 @@ class _Wrapper(torch.nn.Module):
 
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.usefixtures("guard")
+def test_fallback_repairs_two_call_rules_at_once_rrelu_and_unpreserved_rng():
+    """CKG009 and CKG107 on one call: fallback switches early stop off *and* preserves the RNG."""
+    if not rule_by_id("CKG009").holds_on(installed()):
+        pytest.skip(f"CKG009 does not hold on torch {installed()}")
+
+    def probe(ckpt, use_reentrant):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.RReLU())
+        x = torch.randn(4, 8, requires_grad=True)
+        junk = torch.full((4, 8), float("nan"))  # its memory, freed: what RReLU's unfilled noise reads
+        del junk
+        torch.manual_seed(1)
+        ckpt(net, x, use_reentrant=use_reentrant, preserve_rng_state=False).sum().backward()
+        return [x.grad]
+
+    reference = probe(no_checkpoint, False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_all_close(run_guarded(probe, False, "fallback"), reference)
+    assert {re.match(r"\[(CKG\d+)\]", str(w.message)).group(1) for w in caught} >= {"CKG009", "CKG107"}
