@@ -490,7 +490,7 @@ class _Structure:
     structure is then walked again.
     """
 
-    __slots__ = ("ref", "paths", "rrelus", "snapshot")
+    __slots__ = ("ref", "paths", "shape", "rrelus", "snapshot")
 
     def __init__(self, module: Module) -> None:
         self.ref = weakref.ref(module)
@@ -499,7 +499,10 @@ class _Structure:
         self.rrelus = [weakref.ref(m) for _, m in named if isinstance(m, torch.nn.RReLU)]  # CKG009's
         if self.rrelus:
             rrelu_seen[0] = True
-        shape = tuple((path, len(m._modules)) for path, m in named)
+        # per module: (path, number of children, has parameters, has buffers)
+        shape = self.shape = tuple(
+            (path, len(m._modules), bool(m._parameters), bool(m._buffers)) for path, m in named
+        )
         self.snapshot = _snapshots.get(shape) or _compile_snapshot(shape)
 
     def modules(self, module: Module) -> list:
@@ -509,8 +512,15 @@ class _Structure:
         except AttributeError:
             return []
 
-    def owners(self, module: Module, stores: tuple) -> list:
-        return [(m, store) for m in self.modules(module) for store in stores]
+    def owners(self, module: Module, hooks: bool) -> list:
+        """``[(module, dict name)]`` in the order of the snapshot's tensor part (or its hook part)."""
+        modules = self.modules(module)
+        if hooks:
+            return [(m, store) for m in modules for store in _HOOK_DICTS]
+        return [
+            (m, store) for m, (_, _, has_parameters, has_buffers) in zip(modules, self.shape)
+            for store, has in (("_parameters", has_parameters), ("_buffers", has_buffers)) if has
+        ]
 
 
 # the module's shape -> its generated snapshot
@@ -519,26 +529,34 @@ _snapshots: dict = {}
 
 def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
     # Each module's __dict__ is read once and subscripted: an attribute read on a
-    # module goes through nn.Module's __getattr__ hook, several times slower.
-    index = {path: i for i, (path, _) in enumerate(shape)}
-    walk = []
-    for i, (path, _) in enumerate(shape[1:], start=1):
-        parent, _, name = path.rpartition(".")
-        walk.append(f"        d{i} = d{index[parent]}['_modules'][{name!r}].__dict__\n")
-    modules = range(len(shape))
-    same = " and ".join(f"len(d{i}['_modules']) == {n}" for i, (_, n) in enumerate(shape))
-    tensors = "".join(f"copy(d{i}['_parameters']), copy(d{i}['_buffers']), " for i in modules)
-    hooks = "".join(f"copy(d{i}['_forward_pre_hooks']), copy(d{i}['_forward_hooks']), " for i in modules)
-    any_hook = " or ".join(f"d{i}['_forward_pre_hooks'] or d{i}['_forward_hooks']" for i in modules)
-    flags = "".join(f"d{i}['training'], " for i in modules)
+    # module goes through nn.Module's __getattr__ hook, several times slower.  A
+    # parameter or buffer dict empty when the shape was taken is checked to be
+    # empty still (part of the shape), not copied.
+    index = {path: i for i, (path, *_) in enumerate(shape)}
+    walk, same, tensors, hooks, any_hook, flags = [], [], [], [], [], []
+    for i, (path, children, has_parameters, has_buffers) in enumerate(shape):
+        if i:
+            parent, _, name = path.rpartition(".")
+            walk.append(f"        d{i} = d{index[parent]}['_modules'][{name!r}].__dict__\n")
+        if children:
+            same.append(f"len(d{i}['_modules']) == {children}")
+        for store, has in (("_parameters", has_parameters), ("_buffers", has_buffers)):
+            if has:
+                tensors.append(f"copy(d{i}[{store!r}]), ")
+            else:
+                same.append(f"not d{i}[{store!r}]")
+        hooks.append(f"copy(d{i}['_forward_pre_hooks']), copy(d{i}['_forward_hooks']), ")
+        any_hook.append(f"d{i}['_forward_pre_hooks'] or d{i}['_forward_hooks']")
+        flags.append(f"d{i}['training'], ")
     source = (
         "def snapshot(m0):\n"
         "    try:\n"
         "        d0 = m0.__dict__\n"
         f"{''.join(walk)}"
-        f"        if not ({same}):\n"
+        f"        if not ({' and '.join(same) or 'True'}):\n"
         "            return None\n"
-        f"        return ({tensors}), (({hooks}) if {any_hook} else None), ({flags})\n"
+        f"        return ({''.join(tensors)}), (({''.join(hooks)}) if {' or '.join(any_hook)} else None), "
+        f"({''.join(flags)})\n"
         "    except (KeyError, AttributeError):  # a submodule gone or None, or a module unlike nn.Module's\n"
         "        return None\n"
     )
@@ -555,7 +573,7 @@ def _read_snapshot(module: Module) -> tuple:
     modules = list(module.modules())
     hooks = [getattr(m, store) for m in modules for store in _HOOK_DICTS]
     return (
-        tuple(dict(getattr(m, store)) for m in modules for store in _TENSOR_STORES),
+        tuple(dict(getattr(m, store)) for m in modules for store in _TENSOR_STORES if getattr(m, store)),
         tuple(dict(h) for h in hooks) if any(hooks) else None,
         tuple(bool(m.training) for m in modules),
     )
@@ -668,7 +686,7 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
             for cell, name, old in zip(cells, block.__code__.co_freevars, was)
             if cell.cell_contents is not old
         ]
-    owners = _structure(block).owners(block, _HOOK_DICTS if hooks else _TENSOR_STORES)
+    owners = _structure(block).owners(block, hooks)
     dicts = [getattr(m, store) for m, store in owners]
     changes: list = []
     if was is None:  # the forward ran without any hook
