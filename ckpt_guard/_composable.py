@@ -390,7 +390,7 @@ class Plan:
         with contextlib.ExitStack() as stack:
             for replay in replays:  # fallback: a module's train/eval mode as in the forward
                 stack.enter_context(replay)
-            stack.enter_context(_default_dtype(self.default_dtype))
+            stack.enter_context(default_dtype(self.default_dtype))
             if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
                 stack.enter_context(torch.device(self.default_device))
             cpu_state, devices, states, _ = self.rng
@@ -712,7 +712,8 @@ class _Recompute(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Any:
+def default_dtype(dtype: torch.dtype) -> Any:
+    """``torch.set_default_dtype(dtype)`` for a block (the recompute's; fallback's CKG105 replay)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -936,7 +936,7 @@ _differs = _state.differs
 def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
     """``(context manager, what fallback did)`` for a drift fallback can undo, or None."""
     if rule.read == "default_dtype":
-        return _forward_default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
+        return _composable.default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
     if rule.read == "module_training" and was is not None:
         modes = _state.retrained(was, function)
         if not modes:
@@ -978,16 +978,6 @@ def _derived_bindings(changes: list) -> Optional[list]:
         _, replaced = flat_weights.setdefault(id(owner), (owner, list(flat)))
         replaced[list(names).index(name)] = value
     return [(rnn, "__dict__", "_flat_weights", replaced) for rnn, replaced in flat_weights.values()]
-
-
-@contextlib.contextmanager
-def _forward_default_dtype(dtype: Any) -> Any:
-    previous = _torch.get_default_dtype()
-    _torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        _torch.set_default_dtype(previous)
 
 
 #: a closure cell is the function's, not the thread's: one replay at a time points cells

@@ -150,11 +150,29 @@ class _ThreadAttribute:
             raise AttributeError(self.name)
 
 
+class _SlotsInstalled:
+    """A module's ``_parameters`` or ``_buffers`` replaced by a :class:`_Slots` while bindings use it."""
+
+    __slots__ = ("module", "own", "slots", "users")
+
+    def __init__(self, module: Module, own: dict, slots: _Slots) -> None:
+        self.module, self.own, self.slots = module, own, slots  # own: the module's own dict, put back after
+        self.users = 0  # bindings using it
+
+
+class _StandIn:
+    """A module whose class is a stand-in while bindings use some of its plain attributes."""
+
+    __slots__ = ("module", "own_class", "users")
+
+    def __init__(self, module: Module) -> None:
+        self.module, self.own_class = module, type(module)
+        self.users: Dict[str, int] = {}  # attribute name -> bindings using it
+
+
 _install_lock = threading.Lock()
-#: (id(module), store) -> [module, the module's own dict, its _Slots stand-in, bindings using it]
-_installed: Dict[Tuple[int, str], list] = {}
-#: id(module) -> [module, its own class, {attribute name: bindings using it}]
-_stand_ins: Dict[int, list] = {}
+_installed: Dict[Tuple[int, str], _SlotsInstalled] = {}  # (id(module), store) -> ...
+_stand_ins: Dict[int, _StandIn] = {}  # id(module) -> ...
 #: id(module) -> thread id -> {attribute name: value}
 _attribute_views: Dict[int, Dict[int, dict]] = {}
 #: (class, names) -> the stand-in class (bounded: a program binds few shapes of attributes)
@@ -168,23 +186,23 @@ def _enter(module: Module, store: str) -> _Slots:
     entry = _installed.get(key)
     if entry is None:
         own = module.__dict__[store]
-        slots = _Slots(own)
-        module.__dict__[store] = slots
-        entry = _installed[key] = [module, own, slots, 0]
-    entry[3] += 1
-    return entry[2]
+        entry = _installed[key] = _SlotsInstalled(module, own, _Slots(own))
+        module.__dict__[store] = entry.slots
+    entry.users += 1
+    return entry.slots
 
 
 def _leave(module: Module, store: str) -> None:
     key = (id(module), store)
     entry = _installed[key]
-    entry[3] -= 1
-    if entry[3]:
+    entry.users -= 1
+    if entry.users:
         return
     del _installed[key]
-    _, own, slots, _ = entry
-    own.clear()
-    own.update(dict.items(slots))  # the module's own dict again: same object, current entries
+    own, current = entry.own, dict(dict.items(entry.slots))
+    for name in [name for name in own if name not in current]:  # never empty meanwhile
+        del own[name]
+    own.update(current)  # the module's own dict again: same object, current entries
     module.__dict__[store] = own
 
 
@@ -203,16 +221,16 @@ def _bind_attributes(module: Module, names: List[str], delta: int) -> None:
     """Count ``names`` as bound (``delta`` 1) or not (-1) on ``module``; its class follows (caller holds the lock)."""
     entry = _stand_ins.get(id(module))
     if entry is None:
-        entry = _stand_ins[id(module)] = [module, type(module), {}]
-    counts = entry[2]
+        entry = _stand_ins[id(module)] = _StandIn(module)
+    users = entry.users
     for name in names:
-        counts[name] = counts.get(name, 0) + delta
-        if not counts[name]:
-            del counts[name]
-    if counts:
-        object.__setattr__(module, "__class__", _stand_in_class(entry[1], frozenset(counts)))
+        users[name] = users.get(name, 0) + delta
+        if not users[name]:
+            del users[name]
+    if users:
+        object.__setattr__(module, "__class__", _stand_in_class(entry.own_class, frozenset(users)))
     else:
-        object.__setattr__(module, "__class__", entry[1])
+        object.__setattr__(module, "__class__", entry.own_class)
         del _stand_ins[id(module)]
 
 

@@ -616,7 +616,7 @@ def block_snapshot(function: object) -> tuple:
     same object compares equal without looking at it; one that is another
     tensor cannot be compared (:func:`differs` says so).
     """
-    kind = type(function)
+    kind = type(function)  # _block_module inlined: this runs on every checkpoint call
     if kind is functools.partial:
         function = function.func
         kind = type(function)
@@ -858,12 +858,7 @@ def rrelu_training(function: object, early_stop: bool = True) -> bool:
     partial of either): this runs on every non-reentrant call, so it reads
     the block's cached structure (the RReLU modules found once).
     """
-    kind = type(function)
-    if kind is functools.partial:
-        function = function.func
-        kind = type(function)
-    if kind is _MethodType:
-        function = function.__self__
+    function = _block_module(function)
     if not isinstance(function, Module):
         return False
     rrelus = _structure(function).rrelus
