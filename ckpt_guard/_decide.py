@@ -28,7 +28,7 @@ import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _layouts, _reads, _rebind, _state, _versions
+from . import _composable, _config, _events, _layouts, _proof, _reads, _rebind, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
 from ._rules import RNG_RULE as _RNG_RULE, Rule, rules_on
@@ -1055,8 +1055,11 @@ def report_unpreserved_rng(
     )
 
 
-def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repaired: str = "", **details: Any) -> None:
-    """Warn, or raise before the recompute runs; ``repaired``: what fallback already did about it."""
+def _report_at_recompute(
+    rule: Rule, policy: str, forward_site_text: str, repaired: str = "", when: str = "before the recompute ran",
+    **details: Any,
+) -> None:
+    """Warn, or raise ``when`` (before the recompute runs); ``repaired``: what fallback already did about it."""
     if policy == "warn" or (policy == "fallback" and repaired):
         action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
         _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, rule.stage)
@@ -1064,7 +1067,7 @@ def _report_at_recompute(rule: Rule, policy: str, forward_site_text: str, repair
         return
     unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
     message = build_message(
-        rule, policy=policy, action=f"raised before the recompute ran (policy {policy}{unforeseen})", **details,
+        rule, policy=policy, action=f"raised {when} (policy {policy}{unforeseen})", **details,
     )
     _events.emit(rule.id, policy, "raised", forward_site_text, rule.stage)
     raise CheckpointCompositionError(message, rule)
@@ -1303,10 +1306,15 @@ def _untracked_swap(
 ) -> Any:
     """CKG101 for ``ckpt_guard.checkpoint`` outside transforms, under a swap the guard did not track.
 
-    The composable recompute refused the block, and torch's recompute would run
-    after the swap ended, reading the module's own parameters; the choke points
-    cannot see this swap (no ``install()``, or a swap made without
-    ``functional_call``), so the rule is applied here, under the policy in force.
+    The composable recompute refused the block, and the choke points cannot
+    see this swap (no ``install()``, or a swap made without
+    ``functional_call``).  Whether torch's recompute would read the swapped-in
+    tensors depends on whether the swap still holds then (higher's patched
+    modules keep their fast weights; a ``functional_call`` ends): so strict
+    and warn run torch's checkpoint with the tensors the block reads from
+    outside recorded, and act at the recompute if it reads one the forward did
+    not; fallback runs the block without checkpointing (nothing could repair
+    a recompute that reads other tensors).
     """
     rule = _SWAP_RULE
     policy = config.policy_for(rule.id)
@@ -1314,25 +1322,48 @@ def _untracked_swap(
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     site_frame, _ = user_frame(sys._getframe(2))
     site = describe_site(site_frame)
-    message = build_message(
-        rule, site=site, variant=describe_variant(False, False), policy=policy, source=config.source,
-        anticipated=policy != "strict", worked=policy == "fallback",
-        action={
-            "strict": "raised before running the checkpointed function (policy strict)",
-            "warn": "ran torch's checkpoint as asked (policy warn)",
-            "fallback": "ran it without checkpointing (policy fallback)",
-        }[policy],
-        **_where(function, (), site_frame),
-    ) + f"\n  ckpt_guard.checkpoint could not use its composable recompute here: {reason}"
-    if policy == "strict":
-        _events.emit(rule.id, policy, "raised", site, "call")
-        raise CheckpointCompositionError(message, rule)
-    _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT if policy == "fallback" else PROCEED][0], site, "call")
-    _warn(message, rule)
-    if policy == "warn":
-        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
-    with forward_context_of(context_fn) or contextlib.nullcontext():
-        return function(*args, **block_kwargs)
+    details = dict(
+        variant=describe_variant(False, False), source=config.source, **_where(function, (), site_frame),
+    )
+    refused = f"\n  ckpt_guard.checkpoint could not use its composable recompute here: {reason}"
+    if policy == "fallback":
+        _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
+        _warn(build_message(
+            rule, site=site, policy=policy, anticipated=True, worked=True,
+            action="ran it without checkpointing (policy fallback)", **details,
+        ) + refused, rule)
+        with forward_context_of(context_fn) or contextlib.nullcontext():
+            return function(*args, **block_kwargs)
+    given = [a for a in (*args, *kwargs.values()) if isinstance(a, _Tensor)]
+    forward_reads: list = []
+
+    def recorded(*call_args: Any, **call_kwargs: Any) -> Any:
+        reads = _proof.CapturedReads(given)
+        try:
+            with reads:
+                return function(*call_args, **call_kwargs)
+        finally:  # also when torch's early stop ends the recompute part-way (by raising)
+            if not forward_reads:
+                forward_reads.append(reads.captured)
+            else:
+                _compare_recompute_reads(forward_reads[0], reads.captured)
+
+    def _compare_recompute_reads(forward: dict, recompute: dict) -> None:
+        other = [t for key, t in recompute.items() if forward.get(key) is not t]
+        if not other:
+            return
+        try:  # warn says so (torch's recompute ran); strict raises before the backward uses it
+            _report_at_recompute(
+                rule, policy, site, when="in torch's recompute, before the backward used it",
+                site=site, forward_site=site, change=(
+                    f"the recompute read {len(other)} tensor(s) needing a gradient that the forward did "
+                    f"not (the first of shape {tuple(other[0].shape)}): the swap had ended"
+                ), **details,
+            )
+        except CheckpointCompositionError as exc:
+            raise CheckpointCompositionError(f"{exc}{refused}", rule) from None
+
+    return _torch_checkpoint.checkpoint(recorded, *args, **options, **kwargs)
 
 
 _SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")

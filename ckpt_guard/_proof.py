@@ -155,6 +155,34 @@ class ReadCheck(TorchFunctionMode):
                 self._refuse(t, "returned")
 
 
+class CapturedReads(TorchFunctionMode):
+    """Records, without refusing anything, the tensors needing a gradient the block reads from outside.
+
+    For torch's own checkpoint where the composable recompute could not be
+    used: ``captured`` holds each tensor that requires grad and that the block
+    was neither given nor computed (a parameter, a swapped-in fast weight),
+    in the order first read.  A recompute that reads one the forward did not
+    read recomputes with other tensors than the forward.
+    """
+
+    def __init__(self, given: Iterable[Any]) -> None:
+        super().__init__()
+        self.known = {id(t) for t in given if isinstance(t, Tensor)}
+        self.captured: dict = {}  # id -> tensor (held: compared by identity later)
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        known, captured = self.known, self.captured
+        for arg in (*args, *(kwargs or {}).values()):
+            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+                if isinstance(item, Tensor) and id(item) not in known and item.requires_grad:
+                    captured.setdefault(id(item), item)
+        out = func(*args, **(kwargs or {}))
+        for item in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(item, Tensor):
+                known.add(id(item))
+        return out
+
+
 def _storage_address(tensor: Tensor) -> Optional[int]:
     """Where a tensor's memory starts (through torch.func's wrappers); None where there is none to read."""
     try:
