@@ -267,7 +267,7 @@ class Plan:
                 forward_context, self.recompute_context = contextlib.nullcontext(), contextlib.nullcontext()
         device_context = contextlib.nullcontext() if self.default_device is None else torch.device(self.default_device)
         check = None if self.checked or not PROOF else _proof.ReadCheck(tensors)
-        self.versions = [_version(t) for t in tensors]
+        self.versions = [_version(_base(t)) for t in tensors]  # a wrapper's own counter never moves
         self.check = check
         given = [t.detach() for t in tensors]  # new objects: a read of the original is not a read of these
         needed = [i for i, need in enumerate(self.needs) if need] if self.grad_mode else []
@@ -330,7 +330,7 @@ class Plan:
         it as it is now, not as the forward found it.
         """
         for i, (t, was) in enumerate(zip(tensors, self.versions)):
-            if was is None or _version(t) == was or (i in check.before and not self.needs[i]):
+            if was is None or _version(_base(t)) == was or (i in check.before and not self.needs[i]):
                 continue
             how = (
                 "an input that needs a gradient" if self.needs[i]
@@ -350,7 +350,7 @@ class Plan:
 
     def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)
-        return self.versions[i] != _version(now) or not torch.equal(kept, now)
+        return self.versions[i] != _version(_base(now)) or not torch.equal(kept, now)
 
     def rebuild(self, outputs: Sequence[Tensor]) -> Any:
         """The block's output with the Function's outputs in place of the forward's tensors."""
@@ -857,6 +857,12 @@ def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:
         what = "a tensor that requires grad"
     shape = tuple(_base(tensor).shape)
     where = f"{path}" if path else f"a path the guard cannot name (shape {shape})"
+    if read.write:
+        return (
+            f"the block writes in place into {where}, an input a torch.func transform batches or "
+            f"differentiates (through {read.operation} at {read.site}): no copy of what the forward "
+            "started from can be kept for the recompute"
+        )
     how = "returned it" if read.operation == "returned" else f"passed it to {read.operation}"
     return (
         f"the block reads {what} that was not lifted into the recompute's inputs: {where}; "

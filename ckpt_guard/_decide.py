@@ -18,6 +18,7 @@ import os
 import sys
 import sysconfig
 import threading
+import types
 import warnings
 from dataclasses import replace
 from functools import partial as _partial
@@ -1308,13 +1309,14 @@ def _untracked_swap(
 
     The composable recompute refused the block, and the choke points cannot
     see this swap (no ``install()``, or a swap made without
-    ``functional_call``).  Whether torch's recompute would read the swapped-in
+    ``functional_call``).  Whether torch's recompute reads the swapped-in
     tensors depends on whether the swap still holds then (higher's patched
     modules keep their fast weights; a ``functional_call`` ends): so strict
-    and warn run torch's checkpoint with the tensors the block reads from
-    outside recorded, and act at the recompute if it reads one the forward did
-    not; fallback runs the block without checkpointing (nothing could repair
-    a recompute that reads other tensors).
+    and warn run torch's checkpoint (early stop off) with the tensors needing
+    a gradient that the block reads from outside recorded, and act at the
+    recompute if it reads other ones than the forward; fallback runs the block
+    without checkpointing (nothing could repair a recompute that reads other
+    tensors).
     """
     rule = _SWAP_RULE
     policy = config.policy_for(rule.id)
@@ -1335,35 +1337,53 @@ def _untracked_swap(
         with forward_context_of(context_fn) or contextlib.nullcontext():
             return function(*args, **block_kwargs)
     given = [a for a in (*args, *kwargs.values()) if isinstance(a, _Tensor)]
-    forward_reads: list = []
+    recorder = _RecordedReads(given, rule, policy, site, details, refused)
+    # Handed to torch as ``partial(recorder's method bound to function)``: the guard's own snapshot
+    # (CKG106/110/111, when installed) still finds the user's module or function behind it.
+    recorded = functools.partial(types.MethodType(_run_recorded, function), recorder)
+    # Early stop off: the recompute runs to its end, so it reads everything the forward read
+    with _torch_checkpoint.set_checkpoint_early_stop(False):
+        return _torch_checkpoint.checkpoint(recorded, *args, **options, **kwargs)
 
-    def recorded(*call_args: Any, **call_kwargs: Any) -> Any:
-        reads = _proof.CapturedReads(given)
-        try:
-            with reads:
-                return function(*call_args, **call_kwargs)
-        finally:  # also when torch's early stop ends the recompute part-way (by raising)
-            if not forward_reads:
-                forward_reads.append(reads.captured)
-            else:
-                _compare_recompute_reads(forward_reads[0], reads.captured)
 
-    def _compare_recompute_reads(forward: dict, recompute: dict) -> None:
+class _RecordedReads:
+    """What :func:`_untracked_swap` compares: the tensors needing a gradient the forward read from outside."""
+
+    def __init__(self, given: list, rule: Rule, policy: str, site: str, details: dict, refused: str) -> None:
+        self.given, self.rule, self.policy, self.site, self.details = given, rule, policy, site, details
+        self.refused = refused
+        self.forward: Optional[dict] = None  # id -> tensor
+
+    def compare(self, recompute: dict) -> None:
+        forward = self.forward or {}
         other = [t for key, t in recompute.items() if forward.get(key) is not t]
-        if not other:
+        missing = [t for key, t in forward.items() if recompute.get(key) is not t]
+        if not other and not missing:
             return
+        parts = [f"read {len(other)} tensor(s) needing a gradient that the forward did not"] if other else []
+        if missing:
+            parts.append(f"did not read {len(missing)} that the forward read")
+        first = (other or missing)[0]
+        change = f"the recompute {' and '.join(parts)} (the first of shape {tuple(first.shape)}): the swap had ended"
         try:  # warn says so (torch's recompute ran); strict raises before the backward uses it
             _report_at_recompute(
-                rule, policy, site, when="in torch's recompute, before the backward used it",
-                site=site, forward_site=site, change=(
-                    f"the recompute read {len(other)} tensor(s) needing a gradient that the forward did "
-                    f"not (the first of shape {tuple(other[0].shape)}): the swap had ended"
-                ), **details,
+                self.rule, self.policy, self.site, when="in torch's recompute, before the backward used it",
+                site=self.site, forward_site=self.site, change=change, **self.details,
             )
         except CheckpointCompositionError as exc:
-            raise CheckpointCompositionError(f"{exc}{refused}", rule) from None
+            raise CheckpointCompositionError(f"{exc}{self.refused}", self.rule) from None
 
-    return _torch_checkpoint.checkpoint(recorded, *args, **options, **kwargs)
+
+def _run_recorded(function: Any, recorder: _RecordedReads, *args: Any, **kwargs: Any) -> Any:
+    """The block, its outside reads recorded: the forward's kept, the recompute's compared with them."""
+    reads = _proof.CapturedReads(recorder.given)
+    with reads:
+        output = function(*args, **kwargs)
+    if recorder.forward is None:
+        recorder.forward = reads.captured
+    else:
+        recorder.compare(reads.captured)
+    return output
 
 
 _SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")

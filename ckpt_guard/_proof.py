@@ -44,11 +44,13 @@ Tensor = torch.Tensor
 class Unlifted(Exception):
     """The block read a tensor that needs a gradient and was not given to it (not a user error)."""
 
-    def __init__(self, tensor: Tensor, operation: str, site: str) -> None:
+    def __init__(self, tensor: Tensor, operation: str, site: str, write: bool = False) -> None:
         super().__init__(operation)
         self.tensor = tensor
         self.operation = operation  # "torch.matmul", or "returned" for an output
         self.site = site  # the block's line that read it
+        #: not a read: a write into an input a torch.func level wraps (no copy can be kept of it)
+        self.write = write
 
 
 def _carries_gradient(tensor: Tensor) -> bool:
@@ -77,14 +79,14 @@ class ReadCheck(TorchFunctionMode):
         self.known: set = set()
         self.sources = sources
         self.index_of: dict = {}  # id(given tensor) -> its input index
-        self.index_of_storage: Optional[dict] = None  # storage address -> input index (made on first need)
+        self.index_of_storage: Optional[dict] = None  # storage address -> input indices (made on first need)
         self.before: dict = {}
         self.refused: Optional[Unlifted] = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         known = self.known
-        if self.index_of and _may_update(func, kwargs):
-            self._keep_before(args, kwargs)
+        if self.index_of and _may_update(func, args, kwargs):
+            self._keep_before(func, args, kwargs)
         for arg in args:
             if isinstance(arg, Tensor):
                 if id(arg) not in known and _carries_gradient(arg):
@@ -109,8 +111,8 @@ class ReadCheck(TorchFunctionMode):
                     known.add(id(item))
         return out
 
-    def _refuse(self, tensor: Tensor, operation: str) -> None:
-        refusal = Unlifted(tensor, operation, _block_site())
+    def _refuse(self, tensor: Tensor, operation: str, write: bool = False) -> None:
+        refusal = Unlifted(tensor, operation, _block_site(), write)
         if self.refused is None:
             self.refused = refusal
         raise refusal
@@ -126,26 +128,39 @@ class ReadCheck(TorchFunctionMode):
         if self.sources:
             self.index_of = {id(t): i for i, t in enumerate(tensors) if isinstance(t, Tensor)}
 
-    def _keep_before(self, args: tuple, kwargs: Optional[dict]) -> None:
-        """Copy each given tensor the coming operation may write into (at most once per input)."""
+    def _keep_before(self, func: Any, args: tuple, kwargs: Optional[dict]) -> None:
+        """Copy each given tensor the coming operation may write into (at most once per input).
+
+        Matched by identity, or by memory (a view of a given tensor, its
+        ``.data``, another input on the same storage: each is copied).  An
+        input a torch.func level wraps (vmap's batched buffers) cannot be
+        copied from here: the operation is refused before it writes.
+        """
         for arg in (*args, *(kwargs or {}).values()):
             for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
-                if isinstance(item, Tensor):
-                    i = self.index_of.get(id(item))
-                    if i is None:  # a view of a given tensor, or its .data: the same memory
-                        i = self._storages().get(_storage_address(item))
-                    if i is not None and i not in self.before:
-                        source = self.sources[i]
-                        if not is_functorch_wrapped_tensor(source):
-                            self.before[i] = source.detach().clone()
+                if not isinstance(item, Tensor):
+                    continue
+                i = self.index_of.get(id(item))
+                indices = [i] if i is not None else self._storages().get(_storage_address(item), ())
+                for i in indices:
+                    if i in self.before:
+                        continue
+                    source = self.sources[i]
+                    if is_functorch_wrapped_tensor(source):
+                        self._refuse(item, _name(func), write=True)
+                    self.before[i] = source.detach().clone()
+                    for j in self._storages().get(_storage_address(source), ()):  # its storage's other inputs
+                        if j not in self.before and not is_functorch_wrapped_tensor(self.sources[j]):
+                            self.before[j] = self.sources[j].detach().clone()
 
     def _storages(self) -> dict:
+        """Storage address -> the indices of the inputs on it (made on first need)."""
         if self.index_of_storage is None:
-            found = {}
+            found: dict = {}
             for i, source in enumerate(self.sources):
                 address = _storage_address(source) if isinstance(source, Tensor) else None
                 if address:
-                    found.setdefault(address, i)
+                    found.setdefault(address, []).append(i)
             self.index_of_storage = found
         return self.index_of_storage
 
@@ -194,19 +209,22 @@ def _storage_address(tensor: Tensor) -> Optional[int]:
 
 
 _UPDATING = frozenset({
-    "batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit", "__setitem__",
+    "instance_norm", "native_batch_norm", "_native_batch_norm_legit", "__setitem__",
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
 })
 
 
-def _may_update(func: Any, kwargs: Optional[dict]) -> bool:
+def _may_update(func: Any, args: tuple, kwargs: Optional[dict]) -> bool:
     """Whether ``func`` may write into one of its arguments.
 
     An ``_`` method, ``out=``, ``inplace=True`` (``torch.nn.functional`` hands
-    it on as a keyword), BatchNorm's running statistics, ``x[i] = ...``.
+    it on as a keyword), BatchNorm's running statistics (in training only),
+    ``x[i] = ...``.
     """
     name = getattr(func, "__name__", "") or ""
+    if name == "batch_norm":  # F.batch_norm and torch.batch_norm: ``training`` is the sixth either way
+        return bool(kwargs["training"] if kwargs and "training" in kwargs else len(args) > 5 and args[5])
     if (name.endswith("_") and not name.endswith("__")) or name in _UPDATING:
         return True
     if kwargs and ("out" in kwargs or kwargs.get("inplace") is True):

@@ -494,7 +494,7 @@ class _Structure:
 
     def __init__(self, module: Module) -> None:
         self.ref = weakref.ref(module)
-        named = list(module.named_modules())
+        named = _every_path(module)
         self.paths = tuple(path for path, _ in named)
         self.rrelus = [weakref.ref(m) for _, m in named if isinstance(m, torch.nn.RReLU)]  # CKG009's
         if self.rrelus:
@@ -523,6 +523,19 @@ class _Structure:
         ]
 
 
+def _every_path(module: Module) -> list:
+    """``named_modules()`` with every path to a shared submodule (each can be re-bound on its own).
+
+    A module graph with a cycle has endless paths: then each module once.
+    """
+    unique = list(module.named_modules())
+    try:
+        every = list(itertools.islice(module.named_modules(remove_duplicate=False), 4 * len(unique) + 64))
+    except RecursionError:
+        return unique
+    return unique if len(every) > 4 * len(unique) + 63 else every
+
+
 # the module's shape -> its generated snapshot
 _snapshots: dict = {}
 
@@ -538,8 +551,7 @@ def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
         if i:
             parent, _, name = path.rpartition(".")
             walk.append(f"        d{i} = d{index[parent]}['_modules'][{name!r}].__dict__\n")
-        if children:
-            same.append(f"len(d{i}['_modules']) == {children}")
+        same.append(f"len(d{i}['_modules']) == {children}" if children else f"not d{i}['_modules']")
         for store, has in (("_parameters", has_parameters), ("_buffers", has_buffers)):
             if has:
                 tensors.append(f"copy(d{i}[{store!r}]), ")
@@ -594,11 +606,15 @@ def _structure(module: Module) -> _Structure:
 
 def _block_module(function: object) -> object:
     """The module a call runs (itself, behind a bound method or a partial of either), else the function."""
-    if type(function) is functools.partial:
-        function = function.func
-    if type(function) is _MethodType and isinstance(function.__self__, Module):
-        return function.__self__
-    return function
+    while True:  # the guard's recorder is a partial of a method bound to the user's block
+        if type(function) is functools.partial:
+            function = function.func
+        elif type(function) is _MethodType and isinstance(
+            function.__self__, (Module, types.FunctionType, _MethodType, functools.partial)
+        ):
+            function = function.__self__
+        else:
+            return function
 
 
 _NOTHING = ((), (), None)
@@ -617,18 +633,16 @@ def block_snapshot(function: object) -> tuple:
     tensor cannot be compared (:func:`differs` says so).
     """
     kind = type(function)  # _block_module inlined: this runs on every checkpoint call
-    if kind is functools.partial:
-        function = function.func
+    while kind is functools.partial or kind is _MethodType:  # the guard's recorder wraps one in another
+        function = function.func if kind is functools.partial else function.__self__
         kind = type(function)
-    if kind is _MethodType:
-        function = function.__self__
     if isinstance(function, Module):
         entry = _block_structure.get(id(function))
         if entry is None or entry.ref() is not function:
             entry = _structure(function)
         snapshot = entry.snapshot(function)
         if snapshot is None:  # its shape changed since it was walked
-            del _block_structure[id(function)]
+            _block_structure.pop(id(function), None)
             snapshot = _structure(function).snapshot(function)
             if snapshot is None:
                 return _read_snapshot(function)

@@ -267,7 +267,8 @@ def test_two_threads_on_one_module_never_see_each_others_tensors():
         assert not isinstance(results[seed], BaseException), results[seed]
         torch.testing.assert_close(results[seed], per_thread(seed, plain))
     assert list(lin.parameters()) == own and all(type(p) is torch.nn.Parameter for p in lin.parameters())
-    assert type(lin) is torch.nn.Linear and type(lin._parameters) is dict
+    own_dict = type(torch.nn.Linear(1, 1)._parameters)  # an OrderedDict before torch 2.5, a dict since
+    assert type(lin) is torch.nn.Linear and type(lin._parameters) is own_dict
 
 
 def test_a_module_that_sets_its_fast_weights_when_called():
@@ -483,3 +484,157 @@ def test_a_hook_on_a_submodule_added_after_the_first_call_is_watched():
     handle.remove()
     with pytest.raises(CheckpointCompositionError, match="CKG111"):
         out.backward()
+
+
+# --------------------------------------------------------------------------
+# found by the second review: writes into batched or shared memory, frozen swaps, shared submodules
+
+
+def test_frozen_weights_swapped_in_by_functional_call_are_ckg101():
+    """Frozen weights, differentiable ones swapped in (hypernetwork), no install(): the recompute after the
+    swap reads the frozen ones, which need no gradient; the forward's swapped-in tensors are missed (CKG101)."""
+    import sys
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.norm, self.ckpt = torch.nn.LayerNorm(3), ckpt
+
+        def forward(self, t):  # the block reads HIDDEN through a lookup no walk follows: the proof refuses it
+            return self.ckpt(lambda u: torch.tanh(self.norm(u) * getattr(sys.modules[__name__], "HID" + "DEN")), t)
+
+    def program(ckpt):
+        net = Wrapper(ckpt).requires_grad_(False)
+        hyper = torch.linspace(0.5, 1.5, 3).requires_grad_()
+        x = X.clone().requires_grad_()
+        functional_call(net, {"norm.weight": hyper * 2, "norm.bias": hyper + 1}, (x,)).pow(2).sum().backward()
+        return hyper.grad, x.grad
+
+    ckpt_guard.uninstall()
+    reference = program(plain)
+    raw = program(torch_checkpoint)
+    assert raw[0] is None or not torch.allclose(raw[0], reference[0]), "torch alone is wrong here"
+    missed = r"\[CKG101\][\s\S]*did not read 2 that the forward read"
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=missed):
+        program(ckpt_guard.checkpoint)
+    with ckpt_guard.policy("fallback"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="CKG101"):
+        got = program(ckpt_guard.checkpoint)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+
+
+def _add_one(t, buffer):
+    buffer.add_(1)
+    return (t * buffer).sin()
+
+
+def test_an_input_vmap_batches_written_in_place_is_refused_or_right():
+    """No copy of a batched input can be kept for the recompute: refused (strict), run plainly (fallback)."""
+    def program(ckpt):
+        x = torch.linspace(0.1, 1, 12).reshape(3, 4).requires_grad_()
+        buffers = torch.ones(3, 4)
+        vmap(lambda t, b: ckpt(_add_one, t, b))(x, buffers).sum().backward()
+        return x.grad, buffers  # the buffers updated once, as without checkpointing
+
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match="writes in place into"):
+        program(ckpt_guard.checkpoint)
+    for entry in ENTRIES:
+        assert_right_or_refused(program, entry)
+
+
+def test_an_ensemble_of_train_batchnorms_counts_each_batch_once():
+    """stack_module_state + vmap over train BatchNorm: running statistics and num_batches_tracked as without checkpointing."""
+    import copy
+
+    from torch.func import stack_module_state
+
+    class Member(torch.nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.lin, self.bn, self.ckpt = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), ckpt
+
+        def forward(self, t):
+            return self.ckpt(lambda u: self.bn(self.lin(u)), t)
+
+    def program(ckpt):
+        torch.manual_seed(0)
+        members = [Member(ckpt) for _ in range(2)]
+        params, buffers = stack_module_state(members)
+        base = copy.deepcopy(members[0]).to("meta")
+        x = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(6))
+        vmap(lambda p, b, t: functional_call(base, (p, b), (t,)))(params, buffers, x).pow(2).sum().backward()
+        return params["lin.weight"].grad, buffers["bn.running_mean"], buffers["bn.num_batches_tracked"]
+
+    for entry in ENTRIES:
+        assert_right_or_refused(program, entry)
+
+
+def _write_first(t, a, b):
+    a.add_(1)
+    return torch.sin(t * a + b)
+
+
+def _write_second_through_data(t, a, b):
+    b.data.add_(1)
+    return torch.sin(t * b) + a
+
+
+def test_inputs_sharing_memory_are_recomputed_from_their_forward_values():
+    """Two views of one tensor, or a tensor and its ``.data`` (separate version counters, one storage):
+    the write through one is seen for both; no false UnrepeatableForward, no recompute from the new value."""
+    def views(ckpt):
+        h = torch.zeros(8)
+        x = torch.linspace(0.1, 1, 12).reshape(3, 4).requires_grad_()
+        vmap(lambda t: ckpt(_write_first, t, h[:4], h[4:]))(x).sum().backward()
+        return x.grad, h
+
+    def data_alias(ckpt):
+        a = torch.zeros(4)
+        x = torch.linspace(0.1, 1, 12).reshape(3, 4).requires_grad_()
+        vmap(lambda t: ckpt(_write_second_through_data, t, a, a.data))(x).sum().backward()
+        return x.grad, a
+
+    for program in (views, data_alias):
+        for entry in ENTRIES:
+            assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+def test_a_shared_submodule_rebound_through_its_second_path_is_ckg110():
+    """``self.a`` and ``self.b`` are one Linear: re-binding either path before the recompute is CKG110."""
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = self.b = torch.nn.Linear(3, 3)
+
+        def forward(self, t):
+            return torch.sin(self.b(torch.sin(self.a(t))))
+
+    for path in ("a", "b"):
+        net = Twice()
+        out = checkpoint(net, X.clone().requires_grad_(), use_reentrant=False).sum()
+        setattr(net, path, torch.nn.Linear(3, 3))
+        with pytest.raises(CheckpointCompositionError, match="CKG110"):
+            out.backward()
+
+
+def test_a_module_switched_to_eval_behind_an_untracked_swap_is_ckg106():
+    """Installed, a weight swapped by hand (not functional_call), a block the proof refuses, then eval():
+    torch's recompute runs behind the guard's read recorder, which must not hide the module from CKG106."""
+    import sys
+
+    class Mode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, t):
+            scale = getattr(sys.modules[__name__], "HID" + "DEN")
+            return torch.sin(self.lin(t) * scale * (2.0 if self.training else 3.0))
+
+    torch.manual_seed(0)
+    net = Mode()
+    net.lin._parameters["weight"] = net.lin.weight * 1.0  # an untracked swap
+    out = ckpt_guard.checkpoint(net, X.clone().requires_grad_())
+    net.eval()
+    with pytest.raises(CheckpointCompositionError, match=r"CKG106[\s\S]*checkpointed: Mode"):
+        out.sum().backward()
