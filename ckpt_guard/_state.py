@@ -150,18 +150,37 @@ def is_user_mode(mode: object) -> bool:
     return not _is_infrastructure_class(type(mode))
 
 
-# Modes are compared by class: re-entering an equivalent mode object (a new
-# instance of the same class) around .backward() or in context_fn is fine.
+class ModeStack(tuple):
+    """The user modes' classes, innermost last, holding the mode objects themselves.
+
+    Compared (and shown) by class: re-entering an equivalent mode object (a
+    new instance of the same class) around .backward() or in context_fn is
+    fine.  ``instances`` is what fallback re-enters for a recompute that runs
+    without them (CKG102/103).
+    """
+
+    instances: tuple
+
+
+def _user_modes(stack: list) -> tuple:
+    modes = [m for m in stack if is_user_mode(m)]
+    if not modes:
+        return ()
+    found = ModeStack(type(m) for m in modes)
+    found.instances = tuple(modes)
+    return found
+
+
 def user_dispatch_modes() -> tuple[type, ...]:
     if not _len_dispatch_stack():
         return ()
-    return tuple(type(m) for m in _get_current_dispatch_mode_stack() if is_user_mode(m))
+    return _user_modes(_get_current_dispatch_mode_stack())
 
 
 def user_function_modes() -> tuple[type, ...]:
     if not _len_function_stack():
         return ()
-    return tuple(type(m) for m in _get_current_function_mode_stack() if is_user_mode(m))
+    return _user_modes(_get_current_function_mode_stack())
 
 
 user_dispatch_modes.active = _len_dispatch_stack  # type: ignore[attr-defined]
@@ -573,7 +592,8 @@ def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
         "        return None\n"
     )
     namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
-    exec(compile(source, "<ckpt_guard block snapshot>", "exec"), namespace)  # noqa: S102 - from the module's shape
+    # Filed under this file: dynamo skips it (torch 2.4's dynamo, tracing a generated file, fails on dict.copy)
+    exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - from the module's shape
     if len(_snapshots) >= 1024:
         _snapshots.clear()
     snapshot = _snapshots[shape] = namespace["snapshot"]

@@ -21,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+from ckpt_guard._rules import rule_by_id
+from ckpt_guard._versions import installed
 
 
 class Net(torch.nn.Module):
@@ -72,7 +74,8 @@ def test_following_the_strict_fix_line_fixes_the_whole_maml_step_in_one_round(in
     with pytest.raises(CheckpointCompositionError) as info:
         maml_step(Net())
     rules = _fallback_line(str(info.value))
-    assert {"CKG001", "CKG003"} <= set(rules) and set(rules.values()) == {"fallback"}
+    under_vmap = "CKG003" if rule_by_id("CKG003").holds_on(installed()) else "CKG007"  # the table's rule here
+    assert {"CKG001", under_vmap} <= set(rules) and set(rules.values()) == {"fallback"}
     ckpt_guard.install("strict", rules=rules)  # the line, followed literally
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
@@ -140,6 +143,9 @@ def test_a_meanflow_loss_is_told_what_torch_really_raises(installed_strict):
                                  (torch.ones_like(z),))
         (u - dudt.detach()).pow(2).sum().backward()
     message = str(info.value)
+    assert "ckpt_guard.checkpoint" in message.split("  fix:\n", 1)[1]
+    if rule_by_id("CKG007").holds_on(installed()):  # torch < 2.12 raises already in the forward, under jvp
+        assert message.startswith("[CKG007]"), message
+        return
     assert "[CKG104]" in message
     assert "A different number of tensors was saved" in message and "escaped from inside" not in message
-    assert "ckpt_guard.checkpoint" in message.split("  fix:\n", 1)[1]

@@ -484,4 +484,5 @@ def test_fallback_repairs_two_call_rules_at_once_rrelu_and_unpreserved_rng():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert_all_close(run_guarded(probe, False, "fallback"), reference)
-    assert {re.match(r"\[(CKG\d+)\]", str(w.message)).group(1) for w in caught} >= {"CKG009", "CKG107"}
+    ours = [w.message for w in caught if issubclass(w.category, CheckpointCompositionWarning)]  # torch 2.4 adds a FutureWarning
+    assert {re.match(r"\[(CKG\d+)\]", str(message)).group(1) for message in ours} >= {"CKG009", "CKG107"}
