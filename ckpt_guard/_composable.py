@@ -38,7 +38,8 @@ the operation runs (:class:`Refused`), and the caller refuses the call or
 runs the block another way.  No wrong gradient either way.
 
 **What the recompute replays.**  The forward's CPU and device RNG states
-(dropout draws the same mask), default dtype, ``torch.device(...)`` context,
+(dropout draws the same mask), each user ``torch.Generator`` the block drew
+from (its state before the first draw, kept by the proof), default dtype, ``torch.device(...)`` context,
 autocast, a user ``context_fn``'s recompute context, and what the block's
 closures held (frozen copies: a loop rebinding a closed-over variable is not
 seen).  The forward runs in the grad mode of the call, with the inputs that
@@ -203,6 +204,8 @@ class Plan:
         self.output_kept: List[bool] = []
         self.recompute_context: Any = contextlib.nullcontext()
         self.rng: Any = None
+        #: (generator, state) of each user torch.Generator the forward drew from, before its first draw
+        self.generators: List[tuple] = []
         self.autocast: Any = None
         self.default_dtype = torch.get_default_dtype()
         #: a torch.device(...) context's device at the call: the Function's forward
@@ -286,6 +289,7 @@ class Plan:
                     outputs = self.pure(given, check, first=True)
         self.checked = True
         if check is not None:  # what the block updated in place: the recompute starts from the forward's values
+            self.generators = list(check.generators.values())
             self._no_unseen_updates(tensors, check)
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
             self.check = None
@@ -381,6 +385,8 @@ class Plan:
             torch.set_rng_state(cpu_state)
             if devices:
                 _tuc.set_device_states(devices, states)
+        for generator, state in (self.check.generators.values() if self.check is not None else self.generators):
+            generator.set_state(state)
 
     @contextlib.contextmanager
     def replay(self) -> Any:
@@ -398,6 +404,8 @@ class Plan:
             torch.set_rng_state(cpu_state)
             if devices:
                 _tuc.set_device_states(devices, states)
+            if self.generators:
+                stack.enter_context(_forward_generators(self.generators))
             if torch.amp.is_autocast_available(device_type) and device_type != "cpu":
                 stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
             stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
@@ -406,6 +414,20 @@ class Plan:
             yield
         global RECOMPUTES
         RECOMPUTES += 1
+
+
+@contextlib.contextmanager
+def _forward_generators(generators: List[tuple]) -> Any:
+    """Each user generator at its state before the forward's first draw, for the recompute; then
+    back where the user's program had it (the recompute draws are not the program's)."""
+    now = [generator.get_state() for generator, _ in generators]
+    for generator, state in generators:
+        generator.set_state(state)
+    try:
+        yield
+    finally:
+        for (generator, _), state in zip(generators, now):
+            generator.set_state(state)
 
 
 def _output_tensors(output: Any) -> List[Tensor]:

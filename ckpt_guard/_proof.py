@@ -72,6 +72,10 @@ class ReadCheck(TorchFunctionMode):
     A refusal is also recorded in ``refused``: the block's own ``try: ...
     except Exception`` cannot swallow it (:meth:`raise_refusal` raises it again
     after the forward).
+
+    A ``torch.Generator`` the block draws from (``generator=g``) has its state
+    kept in ``generators`` before its first draw: the recompute replays it,
+    as it replays the default generators.
     """
 
     def __init__(self, sources: Sequence[Any] = ()) -> None:
@@ -82,9 +86,14 @@ class ReadCheck(TorchFunctionMode):
         self.index_of_storage: Optional[dict] = None  # storage address -> input indices (made on first need)
         self.before: dict = {}
         self.refused: Optional[Unlifted] = None
+        self.generators: dict = {}  # id(generator) -> (generator, its state before the block's first draw)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         known = self.known
+        if kwargs:
+            generator = kwargs.get("generator")
+            if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
+                self.generators[id(generator)] = (generator, generator.get_state())
         if self.index_of and _may_update(func, args, kwargs):
             self._keep_before(func, args, kwargs)
         for arg in args:

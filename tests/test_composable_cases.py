@@ -638,3 +638,43 @@ def test_a_module_switched_to_eval_behind_an_untracked_swap_is_ckg106():
     net.eval()
     with pytest.raises(CheckpointCompositionError, match=r"CKG106[\s\S]*checkpointed: Mode"):
         out.sum().backward()
+
+
+# --------------------------------------------------------------------------
+# a user torch.Generator: the recompute draws what the forward drew
+
+
+def _noisy_program(transform, refused=False):
+    """A block drawing noise from its own generator (and, if ``refused``, reading a global the proof refuses)."""
+    import sys
+
+    def program(ckpt):
+        generator = torch.Generator().manual_seed(0)
+        w = torch.linspace(0.5, 1.5, 3, dtype=torch.float64).requires_grad_()
+        def block(t):
+            noise = torch.randn(t.shape, generator=generator, dtype=t.dtype)
+            out = torch.sin(t * w) * noise
+            if refused:  # after the draw: fallback's plain run must draw the same numbers again
+                return out * getattr(sys.modules[__name__], "HID" + "DEN").to(t.dtype)
+            return out
+
+        x = torch.linspace(0.1, 1, 6, dtype=torch.float64).reshape(2, 3)
+        result = transform(lambda t: ckpt(block, t).pow(2).sum())(x)
+        return result, torch.randn(3, generator=generator)  # the program's next draw: the block drew once
+
+    return program
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("how", ["grad", "jacrev", "grad of grad", "vmap(grad)", "refused, grad"])
+def test_a_user_generator_is_replayed_in_the_recompute(how, entry):
+    """Before: the recompute drew the generator's next numbers (silently wrong gradients)."""
+    transforms = {
+        "grad": grad, "jacrev": jacrev, "refused, grad": grad,
+        "grad of grad": lambda f: grad(lambda x: grad(f)(x).sin().sum()),  # (hessian: vmap refuses random ops)
+        "vmap(grad)": lambda f: lambda x: vmap(grad(f), randomness="same")(x),
+    }
+    program = _noisy_program(transforms[how], refused=how.startswith("refused"))
+    assert assert_right_or_refused(program, entry, refusable=how.startswith("refused")) is not None or (
+        entry == "public strict" and how.startswith("refused")
+    )
