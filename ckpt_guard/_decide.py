@@ -479,11 +479,10 @@ def _compile_capture(readers: tuple) -> Any:
 capture = _compile_capture(_DRIFT_READERS)
 
 # Drift whose risk is visible at call time (a value that is empty when nothing
-# is active): fallback avoids it by not checkpointing at all.  A user mode is
-# visible then too, but fallback need not avoid it: a recompute that runs
-# without the forward's modes re-enters them (``_replay``).
+# is active): fallback avoids it by not checkpointing at all.
 _ANTICIPATED_INDICES = tuple(
-    i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("swapped_reads", "transform_stack")
+    i for i, rule in enumerate(DRIFT_RULES)
+    if rule.read in ("swapped_reads", "user_dispatch_modes", "user_function_modes", "transform_stack")
 )
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
 _MODE_INDICES = frozenset(
@@ -904,7 +903,7 @@ def report_drift(
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]
         policy = config.policy_for(rule.id)
-        replay = _replay(rule, was, now, function) if policy == "fallback" else None
+        replay = _replay(rule, was, function) if policy == "fallback" else None
         _report_at_recompute(
             rule, policy, forward_site_text,
             repaired=replay[1] if replay else "",
@@ -935,17 +934,8 @@ _differs = _state.differs
 # fallback's replays: the recompute sees what the forward saw
 
 
-def _replay(rule: Rule, was: Any, now: Any, function: Any) -> Optional[tuple]:
+def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
     """``(context manager, what fallback did)`` for a drift fallback can undo, or None."""
-    if rule.read in ("user_dispatch_modes", "user_function_modes"):
-        missing = _missing_modes(was, now)
-        if not missing:
-            return None  # other modes than the forward's: none can be taken away
-        names = ", ".join(type(mode).__name__ for mode in missing)
-        return _modes_pushed(missing, rule.read == "user_dispatch_modes"), (
-            f"recomputing under the forward's own mode objects ({names}), pushed back for this recompute "
-            "(policy fallback)"
-        )
     if rule.read == "default_dtype":
         return _composable.default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
     if rule.read == "module_training" and was is not None:
@@ -967,38 +957,6 @@ def _replay(rule: Rule, was: Any, now: Any, function: Any) -> Optional[tuple]:
             "recomputing with what the forward read, bound for this recompute on its thread (policy fallback)"
         )
     return None
-
-
-def _missing_modes(was: Any, now: tuple) -> tuple:
-    """The forward's mode objects the recompute runs without, when it runs under a prefix of them.
-
-    Re-entering them puts the forward's stack back (innermost last).  A
-    recompute under a mode the forward did not have, or in another order,
-    gets nothing: no mode can be taken off the stack for it.
-    """
-    instances = getattr(was, "instances", ())
-    if len(now) >= len(was) or tuple(was[: len(now)]) != tuple(now):
-        return ()
-    return tuple(instances[len(now):])
-
-
-@contextlib.contextmanager
-def _modes_pushed(modes: tuple, dispatch: bool) -> Any:
-    """The modes on the stack again, by the base class's ``__enter__``: a mode's own ``__enter__`` and
-    ``__exit__`` (a counter that resets, a report printed at exit) are not run a second time."""
-    if dispatch:
-        from torch.utils._python_dispatch import TorchDispatchMode as base
-    else:
-        from torch.overrides import TorchFunctionMode as base
-    pushed = []
-    try:
-        for mode in modes:
-            base.__enter__(mode)
-            pushed.append(mode)
-        yield
-    finally:
-        for mode in reversed(pushed):
-            base.__exit__(mode, None, None, None)
 
 
 def _derived_bindings(changes: list) -> Optional[list]:
@@ -1133,7 +1091,7 @@ def _anticipated_rule(config: _config.Config, forward_state: tuple) -> Optional[
 def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:
     """Fallback for drift risks visible at call time: run without checkpointing.
 
-    A parameter swap or a torch.func transform is active while
+    A parameter swap, a user mode or a torch.func transform is active while
     grad is enabled (the patch points only ask then): the recompute could run
     after it ended, and then nothing could repair the gradients.
     """

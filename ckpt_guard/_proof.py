@@ -92,8 +92,8 @@ class ReadCheck(TorchFunctionMode):
         known = self.known
         if kwargs:
             generator = kwargs.get("generator")
-            if isinstance(generator, torch.Generator) and id(generator) not in self.generators:
-                self.generators[id(generator)] = (generator, generator.get_state())
+            if type(generator) is _Generator and id(generator) not in self.generators:
+                self._keep_generator(generator)
         if self.index_of and _may_update(func, args, kwargs):
             self._keep_before(func, args, kwargs)
         for arg in args:
@@ -104,6 +104,8 @@ class ReadCheck(TorchFunctionMode):
                 for item in arg:
                     if isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item):
                         self._refuse(item, _name(func))
+            elif type(arg) is _Generator and id(arg) not in self.generators:  # torch.poisson(rates, g)
+                self._keep_generator(arg)
         if kwargs:
             for value in kwargs.values():
                 for item in (value if isinstance(value, (list, tuple)) else (value,)):
@@ -119,6 +121,13 @@ class ReadCheck(TorchFunctionMode):
                 if isinstance(item, Tensor):
                     known.add(id(item))
         return out
+
+    def _keep_generator(self, generator: Any) -> None:
+        """A user generator's state before the block's first draw from it.  A default generator
+        passed by name is left out: the recompute replays those from the forward's start."""
+        if generator is torch.default_generator or generator in _device_default_generators():
+            return
+        self.generators[id(generator)] = (generator, generator.get_state())
 
     def _refuse(self, tensor: Tensor, operation: str, write: bool = False) -> None:
         refusal = Unlifted(tensor, operation, _block_site(), write)
@@ -205,6 +214,19 @@ class CapturedReads(TorchFunctionMode):
             if isinstance(item, Tensor):
                 known.add(id(item))
         return out
+
+
+_Generator = torch.Generator
+
+
+def _device_default_generators() -> tuple:
+    """The default generators of the initialised accelerators (CUDA, XPU): the RNG replay's, not the user's."""
+    found: tuple = ()
+    for name in ("cuda", "xpu"):
+        device = getattr(torch, name, None)
+        if device is not None and getattr(device, "is_initialized", lambda: False)():
+            found += tuple(getattr(device, "default_generators", ()))
+    return found
 
 
 def _storage_address(tensor: Tensor) -> Optional[int]:

@@ -772,13 +772,6 @@ _DRIFT_FALLBACK = (
     "(nothing can repair it then)"
 )
 
-_MODE_FALLBACK = (
-    "checkpoints as asked; a recompute that runs without the forward's user modes runs under the "
-    "forward's own mode objects, pushed back on the mode stack for it (their __enter__ and __exit__ "
-    "are not run again): it matches the forward and the memory saving is kept; a recompute under "
-    "modes the forward did not have is raised as under strict (no mode can be taken away)"
-)
-
 _DRIFT_RULES = [
     Rule(
         id="CKG101",
@@ -835,7 +828,7 @@ _DRIFT_RULES = [
             "checkpointed region, or re-enter it in the recompute with context_fn "
             "(use_reentrant=False)"
         ),
-        fallback=_MODE_FALLBACK,
+        fallback=_DRIFT_FALLBACK,
         refs=("https://github.com/pytorch/pytorch/pull/148919",),
         torch_note="the recompute runs under the modes active when it runs",
         probe=_probe_dispatch_mode,
@@ -859,7 +852,7 @@ _DRIFT_RULES = [
             "keep the function mode out of the checkpointed region, or re-enter it in the "
             "recompute with context_fn (use_reentrant=False)"
         ),
-        fallback=_MODE_FALLBACK,
+        fallback=_DRIFT_FALLBACK,
         refs=(
             "https://github.com/pytorch/pytorch/issues/147995",
             "https://github.com/pytorch/pytorch/pull/148023",

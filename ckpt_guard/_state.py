@@ -150,37 +150,18 @@ def is_user_mode(mode: object) -> bool:
     return not _is_infrastructure_class(type(mode))
 
 
-class ModeStack(tuple):
-    """The user modes' classes, innermost last, holding the mode objects themselves.
-
-    Compared (and shown) by class: re-entering an equivalent mode object (a
-    new instance of the same class) around .backward() or in context_fn is
-    fine.  ``instances`` is what fallback re-enters for a recompute that runs
-    without them (CKG102/103).
-    """
-
-    instances: tuple
-
-
-def _user_modes(stack: list) -> tuple:
-    modes = [m for m in stack if is_user_mode(m)]
-    if not modes:
-        return ()
-    found = ModeStack(type(m) for m in modes)
-    found.instances = tuple(modes)
-    return found
-
-
+# Modes are compared by class: re-entering an equivalent mode object (a new
+# instance of the same class) around .backward() or in context_fn is fine.
 def user_dispatch_modes() -> tuple[type, ...]:
     if not _len_dispatch_stack():
         return ()
-    return _user_modes(_get_current_dispatch_mode_stack())
+    return tuple(type(m) for m in _get_current_dispatch_mode_stack() if is_user_mode(m))
 
 
 def user_function_modes() -> tuple[type, ...]:
     if not _len_function_stack():
         return ()
-    return _user_modes(_get_current_function_mode_stack())
+    return tuple(type(m) for m in _get_current_function_mode_stack() if is_user_mode(m))
 
 
 user_dispatch_modes.active = _len_dispatch_stack  # type: ignore[attr-defined]

@@ -678,3 +678,29 @@ def test_a_user_generator_is_replayed_in_the_recompute(how, entry):
     assert assert_right_or_refused(program, entry, refusable=how.startswith("refused")) is not None or (
         entry == "public strict" and how.startswith("refused")
     )
+
+
+DRAWS = {
+    # torch.poisson takes its generator positionally (so do binomial and _standard_gamma)
+    "a generator passed positionally": lambda t, g: torch.poisson(torch.full_like(t, 3.0), g),
+    # the default generator by name, after an implicit draw: the RNG replay's, not kept as a user one
+    "the default generator by name": lambda t, g: torch.randn(t.shape, dtype=t.dtype)
+    + torch.randn(t.shape, dtype=t.dtype, generator=torch.default_generator),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("draw", list(DRAWS))
+def test_every_way_of_naming_a_generator_is_replayed(draw, entry):
+    def program(ckpt):
+        torch.manual_seed(7)
+        generator = torch.Generator().manual_seed(0)
+        w = torch.linspace(0.5, 1.5, 3, dtype=torch.float64).requires_grad_()
+
+        def block(t):
+            return torch.sin(t * w) * DRAWS[draw](t, generator)
+
+        x = torch.linspace(0.1, 1, 6, dtype=torch.float64).reshape(2, 3)
+        return grad(lambda t: ckpt(block, t).pow(2).sum())(x), torch.rand(2, generator=generator), torch.rand(2)
+
+    assert assert_right_or_refused(program, entry, refusable=False) is not None
