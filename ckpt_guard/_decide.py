@@ -870,7 +870,9 @@ def report_lost_device(function: Any, config: _config.Config, forward_state: tup
 def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:
     """Whether a changed value can change this function's recompute."""
     if index in _MODE_INDICES:
-        return not modes_managed  # a user context_fn owns the recompute's modes
+        # a user context_fn may enter modes of its own for the recompute: then only a mode of the
+        # forward's missing from the recompute matters (a context_fn that re-enters it is fine)
+        return not modes_managed or any(mode not in now for mode in was)
     relevant = _DRIFT_RELEVANCE[index]
     return relevant is None or relevant(function, was, now)
 

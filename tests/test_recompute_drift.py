@@ -663,3 +663,35 @@ def test_fallback_runs_blocks_under_a_user_mode_plainly(backward, use_reentrant)
         got = program(lambda f, t: checkpoint(f, t, use_reentrant=use_reentrant))
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("recompute", ["nothing", "the mode again"])
+def test_a_user_context_fn_does_not_hide_a_mode_missing_at_recompute(recompute):
+    """A context_fn may add modes for the recompute (no alarm then); one that does not re-enter the
+    forward's mode leaves it missing: CKG102 under strict (before: torch's wrong gradient, silently)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DoubleSin(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * 2 if func is torch.ops.aten.sin.default else out
+
+    def context_fn():
+        return contextlib.nullcontext(), (DoubleSin() if recompute == "the mode again" else contextlib.nullcontext())
+
+    def program(ckpt):
+        x = torch.linspace(0.1, 1.0, 4, dtype=torch.float64, requires_grad=True)
+        w = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+        with DoubleSin():
+            y = ckpt(lambda t: torch.sin(t) * w, x)
+        y.sum().backward()
+        return w.grad, x.grad
+
+    reference = program(lambda f, t: f(t))
+    guarded = lambda: program(lambda f, t: checkpoint(f, t, use_reentrant=False, context_fn=context_fn))  # noqa: E731
+    if recompute == "nothing":
+        with pytest.raises(CheckpointCompositionError, match=r"CKG102[\s\S]*\[DoubleSin\] → \[\]"):
+            guarded()
+    else:
+        for g, r in zip(guarded(), reference):
+            torch.testing.assert_close(g, r)
