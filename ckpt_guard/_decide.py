@@ -1114,7 +1114,7 @@ def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, fu
         action=(
             "ran it without checkpointing (policy fallback): nothing has gone wrong, but the "
             "recompute could run after this state changed, and then nothing could repair the "
-            "gradients (policy strict would raise only if that happened)"
+            "gradients (policy strict raises if it sees that happen at the recompute)"
         ),
     )
     _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")

@@ -772,6 +772,12 @@ _DRIFT_FALLBACK = (
     "(nothing can repair it then)"
 )
 
+_MODE_FALLBACK = (
+    "acts whenever a user mode is active at the call: runs the block without checkpointing "
+    "(correct whatever state the mode carries; that block's memory saving is lost); a mode first "
+    "seen missing at the recompute is raised as under strict"
+)
+
 _DRIFT_RULES = [
     Rule(
         id="CKG101",
@@ -824,11 +830,11 @@ _DRIFT_RULES = [
         ),
         symptom_kind="silently wrong",
         remedy=(
-            "run .backward() inside the same dispatch mode, or keep the mode out of the "
-            "checkpointed region, or re-enter it in the recompute with context_fn "
-            "(use_reentrant=False)"
+            "keep the mode out of the checkpointed region; only for a mode with no state of its own "
+            "(no generator, counter or flag its __enter__ sets): run .backward() inside the same "
+            "dispatch mode, or re-enter it in the recompute with context_fn (use_reentrant=False)"
         ),
-        fallback=_DRIFT_FALLBACK,
+        fallback=_MODE_FALLBACK,
         refs=("https://github.com/pytorch/pytorch/pull/148919",),
         torch_note="the recompute runs under the modes active when it runs",
         probe=_probe_dispatch_mode,
@@ -849,10 +855,10 @@ _DRIFT_RULES = [
         symptom="returns silently wrong gradients: the recompute runs without the mode",
         symptom_kind="silently wrong",
         remedy=(
-            "keep the function mode out of the checkpointed region, or re-enter it in the "
-            "recompute with context_fn (use_reentrant=False)"
+            "keep the function mode out of the checkpointed region; only for a mode with no state "
+            "of its own: re-enter it in the recompute with context_fn (use_reentrant=False)"
         ),
-        fallback=_DRIFT_FALLBACK,
+        fallback=_MODE_FALLBACK,
         refs=(
             "https://github.com/pytorch/pytorch/issues/147995",
             "https://github.com/pytorch/pytorch/pull/148023",
