@@ -225,20 +225,28 @@ class Plan:
     def call(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Any:
         rebuild = _rebind._Rebuild({}, fill=tensors)
         bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
+        attributes = []  # (label, value): the module attributes the block reads, as it reads them
         for module, name, value, always in self.attributes:
             new, changed = rebuild(value)
             if changed or always:
                 bindings.append((module, "__dict__", name, new))
+            if name not in _rebind._FORWARD_HOOKS:
+                attributes.append((f"{type(module).__name__}.{name}", new if changed else getattr(module, name, new)))
         with _rebind.bound(bindings):
             function = rebuild(self.function)[0]
             args, kwargs = rebuild(self.call_args)[0]
             if check is None:
                 return function(*args, **kwargs)
+            given = _state.contents_snapshot(
+                (_state._argument_roots(function, args, kwargs) or [])
+                + [(label, value) for label, value in attributes if _state._holds_container(value)]
+            )
             check.given(tensors)
             with check:
                 output = function(*args, **kwargs)
             check.raise_refusal()  # one the block's own ``except Exception`` caught
             check.check_outputs(_output_tensors(output))
+            _no_changed_containers(given)
             return output
 
     def pure(
@@ -414,6 +422,33 @@ class Plan:
             yield
         global RECOMPUTES
         RECOMPUTES += 1
+
+
+class ChangedContainer(Exception):
+    """The forward changed a list, dict or object the block was given (a KV cache it appends to)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _no_changed_containers(given: tuple) -> None:
+    """Raise :class:`ChangedContainer` (their contents put back) if the forward changed one of ``given``.
+
+    A recompute would start from what the forward left there, and what the
+    block put there (a tensor it computed) could carry no gradient out of a
+    checkpoint: no recompute can be right.  A tensor in them updated in place
+    is the proof's (a copy was kept before the write).
+    """
+    changed = [entry for entry in _state.changed_contents(given) if entry[2] != "tensor"] if given else ()
+    if not changed:
+        return
+    what = _state.describe_contents_change(tuple(changed), ())
+    _state.restore_contents(changed)
+    raise ChangedContainer(
+        f"the block changes a container it is given ({what}): a recompute would start from what the "
+        "forward left there, and what the block puts there could carry no gradient out of a checkpoint"
+    )
 
 
 @contextlib.contextmanager
@@ -858,10 +893,10 @@ _run_uncompiled: Any = None
 def _run(built: Plan) -> Any:
     try:
         outputs = _Recompute.apply(built, *built.inputs)
-    except _proof.Unlifted as read:
+    except (_proof.Unlifted, ChangedContainer) as read:
         built.undo_updates(built.inputs)
         built.restore_rng()
-        reason = _describe_unlifted(built, read)
+        reason = read.reason if isinstance(read, ChangedContainer) else _describe_unlifted(built, read)
         built.release()
         raise Refused(reason) from None
     output = built.rebuild(outputs)

@@ -438,7 +438,8 @@ _DRIFT_RELEVANCE = tuple(getattr(read, "relevant", None) for read in _DRIFT_READ
 def _compile_capture(readers: tuple) -> Any:
     """``lambda function: (read0(), read1(function), ...)`` as one generated expression.
 
-    A reader marked ``takes_function`` is given the checkpointed function.
+    A reader marked ``takes_function`` is given the checkpointed function;
+    one marked ``takes_inputs`` also the call's inputs and keyword arguments.
 
     A reader with an ``active`` attribute (a builtin query that is falsy when
     nothing is active, see ``_state``) is only called when that query says so,
@@ -461,21 +462,26 @@ def _compile_capture(readers: tuple) -> Any:
             parts.append(f"{shared[reader]}_[{index}]")
             continue
         namespace[f"read{i}"] = read
-        call = f"read{i}(function)" if getattr(read, "takes_function", False) else f"read{i}()"
+        if getattr(read, "takes_inputs", False):
+            call = f"read{i}(function, inputs, keywords)"
+        elif getattr(read, "takes_function", False):
+            call = f"read{i}(function)"
+        else:
+            call = f"read{i}()"
         if hasattr(read, "active"):
             namespace[f"active{i}"] = read.active
             parts.append(f"({call} if active{i}() else ())")
         else:
             parts.append(call)
     reads = "".join(f"    {name}_ = {name}(function)\n" for name in shared.values())
-    source = f"def capture(function):\n{reads}    return ({', '.join(parts)},)\n"
+    source = f"def capture(function, inputs=(), keywords=None):\n{reads}    return ({', '.join(parts)},)\n"
     # Filed under this file: dynamo skips it, and call-site walks count it as the guard's.
     exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - generated from the rule table
     return namespace["capture"]
 
 
-#: ``capture(function)``: the recompute-relevant state, one value per drift
-#: rule, in DRIFT_RULES order.
+#: ``capture(function, inputs=(), keywords=None)``: the recompute-relevant
+#: state, one value per drift rule, in DRIFT_RULES order.
 capture = _compile_capture(_DRIFT_READERS)
 
 # Drift whose risk is visible at call time (a value that is empty when nothing
@@ -576,7 +582,7 @@ class EarlyStopOff:
 
 def prepare_call(
     reentrant: bool, function: Any, args: tuple, first_input: int, context_fn: Any = None,
-    preserve_rng_state: bool = True, early_stop: bool = True,
+    preserve_rng_state: bool = True, early_stop: bool = True, kwargs: Optional[dict] = None,
 ) -> Any:
     """Everything the guard does when ``checkpoint`` is called, for both variants.
 
@@ -591,6 +597,7 @@ def prepare_call(
     non-reentrant call on this project's machine, of which ~0.5 µs are the
     state queries, ~0.5 µs the capture, ~0.4 µs the call site and ~0.4 µs the
     recompute handle (``benchmarks/overhead.py`` measures the total).
+    ``kwargs``: the non-reentrant variant's keyword arguments to the function.
     """
     # Inlined: _config.current(), and torch.compiler.is_compiling() as its flag
     # (dynamo never traces this file, see _patch._skip_in_dynamo).  The flag is
@@ -604,7 +611,7 @@ def prepare_call(
     may_anticipate = config.may_fall_back
     if grad:  # what a recompute must find again (it first walks a new block, and notes an RReLU in it)
         reads = _reads_target(function, args[first_input:])
-        forward_state = capture(reads)
+        forward_state = capture(reads, args[first_input:], kwargs)
     # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too).
     rrelu = not reentrant and grad and _rrelu_seen[0] and _rrelu_training(function, early_stop)
     no_early_stop = False
@@ -735,7 +742,7 @@ def _checked_call(
     """
     if not reentrant or _is_grad_enabled():
         TORCH_RECOMPUTES[0] += 1
-        state = capture(reads)
+        state = capture(reads, args, kwargs)
         replays = ()
         if _differs(state, forward_state):
             replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
@@ -948,6 +955,14 @@ def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
             "recomputing with each module in the train/eval mode it had in the forward, bound for this "
             "recompute on its thread (policy fallback)"
         )
+    if rule.read == "argument_contents":
+        changed = _state.changed_contents(was)
+        if any(kind == "tensor" or recorded[:1] == (_state.LONG_MARK,) for _, _, kind, recorded in changed):
+            return None  # updated in place, or only its length kept: what the forward read is gone
+        return _forward_contents(changed), (
+            "recomputing with the containers the block was given as the forward found them, their "
+            "contents put back after the recompute (policy fallback)"
+        )
     if rule.read in ("block_bindings", "block_hooks"):
         changes = _state.rebound(was, function, hooks=rule.read == "block_hooks")
         if not changes or any(store == "new" for _, store, _, _ in changes):
@@ -1006,6 +1021,22 @@ def _forward_bindings(changes: list) -> Any:
                 cell.cell_contents = value
                 stack.callback(setattr, cell, "cell_contents", held)
         yield
+
+
+@contextlib.contextmanager
+def _forward_contents(changed: list) -> Any:
+    """The forward's contents in the containers ``changed`` lists, for the recompute; theirs back after.
+
+    The containers are the user's objects, seen by every thread: one replay
+    at a time, under the lock the closure-cell replay takes.
+    """
+    with _CELL_LOCK:
+        now = _state.contents_snapshot([(label, value) for label, value, _, _ in changed])
+        _state.restore_contents(changed)
+        try:
+            yield
+        finally:
+            _state.restore_contents([entry for entry in now if entry[2] != "tensor"])
 
 
 def _case_symptom(rule: Rule, was: Any, now: Any) -> str:

@@ -190,7 +190,7 @@ def _guard_generator(original: Callable[..., Any], decide: Any) -> Callable[...,
         # args: torch's options after fn (preserve_rng_state, context_fn, ...), then the inputs
         context_fn = args[context_index] if len(args) > context_index else None
         early_stop = args[early_stop_index] if early_stop_index is not None and len(args) > early_stop_index else True
-        decision = prepare(False, fn, args, n_options, context_fn, args[0] if args else True, early_stop)
+        decision = prepare(False, fn, args, n_options, context_fn, args[0] if args else True, early_stop, kwargs)
         if decision is STEP_ASIDE:
             return original(fn, *args, **kwargs)
         if decision is NO_CHECKPOINT:
@@ -228,6 +228,7 @@ def _guard_generator_impl(original: Callable[..., Any], decide: Any) -> Callable
         context_fn = options.get("context_fn")
         decision = prepare(
             False, fn, args, 0, context_fn, options.get("preserve_rng_state", True), options.get("early_stop", True),
+            kwargs,
         )
         if decision is STEP_ASIDE:
             return original(fn, args, kwargs, **options)

@@ -760,6 +760,29 @@ def _probe_hook_removed(ckpt, use_reentrant):
     return [y.detach(), *_grads(x, *block.parameters())]
 
 
+def _probe_argument_changed(ckpt, use_reentrant):
+    """A KV cache passed to a checkpointed attention block, which appends to it (pytorch#155171)."""
+    import torch
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x, cache):
+            cache.append(self.k(x))  # the block grows the cache it is given
+            keys = torch.cat(cache)
+            return (self.q(x) @ keys.T).softmax(-1) @ keys
+
+    torch.manual_seed(0)
+    block = Attention()
+    x = torch.randn(3, 4, requires_grad=True)
+    cache = [torch.randn(3, 4)]
+    y = ckpt(block, x, cache, **_variant_kwargs(use_reentrant))
+    y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters()), torch.tensor(len(cache))]
+
+
 _UNFORESEEABLE_FALLBACK = (
     "cannot help: this drift is only visible when the recompute starts, when nothing can "
     "repair it, so fallback raises as strict does"
@@ -1046,6 +1069,43 @@ _DRIFT_RULES = [
         probe=_probe_hook_removed,
         read="block_hooks",
         render="describe_bindings",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    ),
+    Rule(
+        id="CKG112",
+        title="a list, dict or object the checkpointed block was given changed before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "between the forward and the recompute, the contents of a container the checkpointed "
+            "block was given (an argument, a keyword argument, what a functools.partial of it binds, "
+            "its closure variable) changed: a KV cache the block appends to in its own forward, a "
+            "list it collects into, a dict or object (a Cache class) whose entries were replaced, a "
+            "tensor in it updated in place"
+        ),
+        symptom=(
+            "reentrant: returns silently wrong gradients (the recompute reads the changed contents, "
+            "and changes them again: a cache grows twice); non-reentrant: raises CheckpointError "
+            "(recomputed metadata mismatch) where a shape changed, else silently wrong"
+        ),
+        symptom_kind="silently wrong",
+        symptom_by_variant=((NON_REENTRANT, "raises"),),
+        raises_match=r"[Rr]ecomputed values for the following tensors have different metadata",
+        remedy=(
+            "do not hand a checkpointed block a container it changes (transformers turns use_cache "
+            "off under gradient checkpointing for this reason): return the new cache entries as "
+            "outputs and update the cache outside the block, or run that block without checkpointing"
+        ),
+        fallback=(
+            "recomputes with the containers as the forward found them, and puts back what they hold "
+            "after the recompute (the change happens once, as without checkpointing): correct, keeps "
+            "the memory saving; a tensor in them updated in place cannot be put back: raises as strict"
+        ),
+        refs=("https://github.com/pytorch/pytorch/issues/155171",),
+        torch_note="the recompute runs the block on the same container objects, as they are when it runs",
+        probe=_probe_argument_changed,
+        read="argument_contents",
+        render="describe_contents",
         measured_on=("2.4.1", "2.13.0", "2.15.0"),
     ),
 ]

@@ -753,6 +753,254 @@ describe_rebinding.takes_function = describe_hook_change.takes_function = True  
 
 
 # --------------------------------------------------------------------------
+# a list, dict or object the block is given, changed before its recompute (CKG112)
+#
+# A KV cache passed to a checkpointed attention block (pytorch#155171) grows
+# in the block's own forward: the recompute then reads the grown cache and
+# appends to it again.  The capture keeps the shallow contents of each such
+# container the block is given (its arguments, what a partial of it binds,
+# its closure cells), to a small depth: the items of a list, the entries of
+# a dict, an object's attributes; the versions of the tensors in them.
+# Compared by identity, as the block snapshot is.
+
+#: values that cannot be, or hold, a container the block could change
+_ATOMS = frozenset({
+    Tensor, torch.nn.Parameter, type(None), bool, int, float, complex, str, bytes,
+    torch.dtype, torch.device, torch.Size,
+})
+_SCALARS = _ATOMS - {Tensor, torch.nn.Parameter}
+#: how far into a container, and how many values, the capture looks
+_CONTENTS_DEPTH, _CONTENTS_BUDGET = 3, 256
+
+
+def _container_kind(value: object) -> Optional[str]:
+    """"list", "dict" or "object" for a value whose contents the block could change in place; else None."""
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, dict):
+        return "dict"
+    if isinstance(value, (Tensor, Module, tuple, type, types.FunctionType, types.MethodType, functools.partial)):
+        return None
+    if getattr(value, "__dict__", None) is None:
+        return None
+    root = (type(value).__module__ or "").split(".")[0]
+    return None if root in _reads._LIBRARY_ROOTS else "object"
+
+
+def _argument_roots(function: object, inputs: tuple, keywords: Optional[dict]) -> Optional[list]:
+    """``[(label, value)]`` for the containers the block is given; None when there is none (the usual call)."""
+    roots = None
+    for i, value in enumerate(inputs):
+        if type(value) not in _ATOMS and _holds_container(value):
+            roots = roots or []
+            roots.append((f"its argument {i + 1}", value))
+    for name, value in keywords.items() if keywords else ():
+        if type(value) not in _ATOMS and _holds_container(value):
+            roots = roots or []
+            roots.append((f"its keyword argument {name!r}", value))
+    while type(function) is functools.partial:
+        for i, value in enumerate(function.args):
+            if type(value) not in _ATOMS and _holds_container(value):
+                roots = roots or []
+                roots.append((f"argument {i + 1} bound by a functools.partial", value))
+        for name, value in function.keywords.items():
+            if type(value) not in _ATOMS and _holds_container(value):
+                roots = roots or []
+                roots.append((f"keyword argument {name!r} bound by a functools.partial", value))
+        function = function.func
+    if type(function) is types.FunctionType and function.__closure__:
+        for name, cell in zip(function.__code__.co_freevars, function.__closure__):
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if type(value) not in _ATOMS and _holds_container(value):
+                roots = roots or []
+                roots.append((f"the closure variable {name!r}", value))
+    return roots
+
+
+def _holds_container(value: object) -> bool:
+    if type(value) is tuple:  # a tuple of tensors (rotary embeddings) is the usual non-tensor argument
+        for item in value:
+            if type(item) not in _ATOMS and _holds_container(item):
+                return True
+        return False
+    return _container_kind(value) is not None
+
+
+#: a container longer than this is recorded by its length and last items (a per-call
+#: copy of a long list of token ids would cost more than the block); its contents
+#: cannot be put back, so fallback raises for it as strict
+_LONG, _LONG_TAIL = 256, 8
+LONG_MARK = "<long container>"
+
+
+def _shallow(value: object, kind: str) -> tuple:
+    if kind == "list":
+        if len(value) > _LONG:  # type: ignore[arg-type]
+            return (LONG_MARK, len(value), *value[-_LONG_TAIL:])  # type: ignore[arg-type,index]
+        return tuple(value)  # type: ignore[arg-type]
+    items = value.items() if kind == "dict" else vars(value).items()  # type: ignore[attr-defined]
+    if len(items) > _LONG:  # its last values only
+        return (LONG_MARK, len(items), *[v for _, v in list(items)[-_LONG_TAIL:]])
+    return tuple(items)
+
+
+def contents_snapshot(roots: list) -> tuple:
+    """``((label, container, kind, shallow contents) | (label, tensor, "tensor", version), ...)``.
+
+    Depth-first from each root, each container once, at most
+    ``_CONTENTS_DEPTH`` containers deep and ``_CONTENTS_BUDGET`` values in all.
+    """
+    entries: list = []
+    seen: set = set()
+    budget = _CONTENTS_BUDGET
+    for label, root in roots:
+        stack = [(root, 0)]
+        while stack and budget > 0:
+            value, depth = stack.pop()
+            budget -= 1
+            if type(value) in _SCALARS:
+                continue
+            if id(value) in seen:
+                continue
+            if isinstance(value, Tensor):
+                seen.add(id(value))
+                if depth:  # an argument tensor itself: torch checks its version
+                    try:
+                        entries.append((label, value, "tensor", value._version))
+                    except Exception:  # noqa: BLE001 - a torch.func wrapper has no version counter
+                        pass
+                continue
+            if type(value) is tuple:
+                stack.extend((item, depth) for item in reversed(value))
+                continue
+            kind = _container_kind(value)
+            if kind is None or depth >= _CONTENTS_DEPTH:
+                continue
+            seen.add(id(value))
+            contents = _shallow(value, kind)
+            entries.append((label, value, kind, contents))
+            if contents and contents[0] is LONG_MARK:
+                items = contents[2:]
+            else:
+                items = contents if kind == "list" else [item for _, item in contents]
+            stack.extend((item, depth + 1) for item in reversed(items))
+    return tuple(entries)
+
+
+def argument_contents(function: object, inputs: tuple = (), keywords: Optional[dict] = None) -> tuple:
+    """CKG112's reader: the contents of the containers the block is given (``()`` on the usual call).
+
+    On every checkpoint call: a module or bound method given tensors only returns
+    after one look at each input.
+    """
+    kind = type(function)
+    if not keywords and kind is not functools.partial and (kind is not types.FunctionType or not function.__closure__):
+        for value in inputs:
+            if type(value) not in _ATOMS:
+                break
+        else:
+            return ()
+    roots = _argument_roots(function, inputs, keywords)
+    return contents_snapshot(roots) if roots else ()
+
+
+argument_contents.takes_function = True  # type: ignore[attr-defined]
+argument_contents.takes_inputs = True  # type: ignore[attr-defined]
+
+
+def changed_contents(was: tuple) -> list:
+    """The entries of ``was`` whose container (or tensor) is not as it was then.
+
+    A container counts only where a tensor (or a container, which may hold
+    one) came, went or was replaced: a list the block logs devices or
+    Python numbers into changes nothing a gradient depends on.
+    """
+    changed = []
+    for entry in was:
+        _, value, kind, recorded = entry
+        if kind == "tensor":
+            if _version_of(value) != recorded:
+                changed.append(entry)
+        elif any(_may_hold_tensors(item) for item in _moved(_shallow(value, kind), recorded, kind)):
+            changed.append(entry)
+    return changed
+
+
+def _moved(now: tuple, was: tuple, kind: str) -> list:
+    """The values that came, went or were replaced between two shallow contents."""
+    if kind == "list" or (was and was[0] is LONG_MARK):
+        moved = [a for a, b in zip(now, was) if a is not b]
+        moved += [b for a, b in zip(now, was) if a is not b]
+        return moved + list(now[len(was):]) + list(was[len(now):])
+    before, after = dict(was), dict(now)
+    moved = [value for key, value in after.items() if before.get(key, _GONE) is not value]
+    return moved + [value for key, value in before.items() if after.get(key, _GONE) is not value]
+
+
+def _may_hold_tensors(value: object) -> bool:
+    return isinstance(value, Tensor) or (
+        type(value) is tuple and any(_may_hold_tensors(item) for item in value)
+    ) or _container_kind(value) is not None
+
+
+def _version_of(tensor: Tensor) -> Optional[int]:
+    try:
+        return tensor._version
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def describe_contents(value: object) -> str:
+    return "what the block was given" if value else "nothing watched"
+
+
+def describe_contents_change(was: tuple, now: tuple) -> str:
+    """CKG112's change line: ``its argument 2 (a list): 1 item → 2 items``."""
+    parts = []
+    for label, value, kind, recorded in changed_contents(was):
+        if kind == "tensor":
+            parts.append(f"a tensor in {label} was updated in place")
+            continue
+        what = f"a {type(value).__name__}" if kind == "object" else f"a {kind}"
+        if kind == "object":
+            names = [k for k, v in recorded if vars(value).get(k, _GONE) is not v]
+            names += [k for k in vars(value) if k not in dict(recorded)]
+            parts.append(f"{label} ({what}): its {', '.join(map(str, names)) or 'attributes'} changed")
+        else:
+            now_len = len(value)  # type: ignore[arg-type]
+            parts.append(f"{label} ({what}): {_items(len(recorded))} → {_items(now_len)}" + (
+                "" if now_len != len(recorded) else ", other values"
+            ))
+    return "; ".join(parts) or "what the block was given changed"
+
+
+def _items(n: int) -> str:
+    return f"{n} item" if n == 1 else f"{n} items"
+
+
+argument_contents.describe_change = describe_contents_change  # type: ignore[attr-defined]
+argument_contents.relevant = lambda function, was, now: bool(changed_contents(was))  # type: ignore[attr-defined]
+
+
+def restore_contents(entries: list) -> None:
+    """Put each container of ``entries`` back to its recorded contents (tensors cannot be)."""
+    for _, value, kind, recorded in entries:
+        if kind == "list":
+            value[:] = recorded  # type: ignore[index]
+        elif kind == "dict":
+            value.clear()  # type: ignore[attr-defined]
+            value.update(recorded)  # type: ignore[attr-defined]
+        elif kind == "object":
+            state = vars(value)
+            for name in [k for k in state if k not in dict(recorded)]:
+                del state[name]
+            state.update(recorded)
+
+
+# --------------------------------------------------------------------------
 # train / eval mode of the checkpointed module
 
 _MethodType = type(Module().train)

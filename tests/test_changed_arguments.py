@@ -1,0 +1,307 @@
+"""CKG112 and the composable recompute: a block that is given a container it changes (a KV cache).
+
+pytorch#155171: a checkpointed attention block appends to the cache it is
+given; torch's recompute reads the grown cache and appends again.  Each way
+of handing a block a container is run three ways (uncheckpointed, raw torch,
+guarded), and the cache itself is compared too: fallback makes the change
+once, as without checkpointing.  ``ckpt_guard.checkpoint`` under torch.func
+ran the block on a copy of the list before (the user's cache did not grow)
+or on the list itself (an empty one: silently wrong gradients); it now
+refuses such a block, so fallback runs it plainly and strict explains.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from conftest import assert_all_close, assert_all_equal
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning, _composable
+
+pytestmark = pytest.mark.usefixtures("guard")
+
+
+class Layer:
+    """A cache layer as transformers' DynamicLayer keeps one: ``keys``, re-bound by each update."""
+
+    def __init__(self):
+        self.keys = None
+
+    def update(self, k):
+        self.keys = k if self.keys is None else torch.cat([self.keys, k])
+        return self.keys
+
+
+class Cache:
+    def __init__(self, layers=1):
+        self.layers = [Layer() for _ in range(layers)]
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        k = self.k(x)
+        if isinstance(cache, list):
+            cache.append(k)
+            keys = torch.cat(cache)
+        elif isinstance(cache, dict):
+            cache["keys"] = k if "keys" not in cache else torch.cat([cache["keys"], k])
+            keys = cache["keys"]
+        else:
+            keys = cache.layers[0].update(k)
+        return (self.q(x) @ keys.T).softmax(-1) @ keys
+
+
+def _cache(kind, filled=True):
+    torch.manual_seed(1)
+    start = torch.randn(3, 4)
+    if kind == "list":
+        return [start] if filled else []
+    if kind == "dict":
+        return {"keys": start} if filled else {}
+    cache = Cache()
+    if filled:
+        cache.layers[0].update(start)
+    return cache
+
+
+def _keys(cache):
+    if isinstance(cache, list):
+        return torch.cat(cache) if cache else torch.zeros(0)
+    if isinstance(cache, dict):
+        return cache.get("keys", torch.zeros(0))
+    return cache.layers[0].keys
+
+
+def _call(ckpt, block, x, cache, way, use_reentrant):
+    """Hand the block its cache ``way``: as an argument, a keyword, bound by a partial, closed over."""
+    variant = {} if ckpt is None else {"use_reentrant": use_reentrant}
+    run = ckpt or (lambda f, *a, **k: f(*a, **k))
+    if way == "argument":
+        return run(block, x, cache, **variant)
+    if way == "keyword":
+        return run(block, x, cache=cache, **variant)
+    if way == "partial":  # transformers' GradientCheckpointingLayer binds its keywords so
+        return run(functools.partial(block, cache=cache), x, **variant)
+    return run(lambda h: block(h, cache), x, **variant)
+
+
+def _step(ckpt, kind, way, use_reentrant, filled=True):
+    torch.manual_seed(0)
+    block = Attention()
+    x = torch.randn(3, 4, requires_grad=True)
+    cache = _cache(kind, filled)
+    y = _call(ckpt, block, x, cache, way, use_reentrant)
+    y.sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in block.parameters()), _keys(cache)]
+
+
+CASES = [
+    pytest.param(kind, way, ur, id=f"{kind}-{way}-{'reentrant' if ur else 'non-reentrant'}")
+    for kind in ("list", "dict", "object")
+    for way in ("argument", "keyword", "partial", "closure")
+    for ur in (True, False)
+    if not (way == "keyword" and ur)  # the reentrant variant takes no keyword arguments
+]
+
+
+@pytest.mark.parametrize("kind, way, use_reentrant", CASES)
+def test_a_changed_container_is_caught_and_fallback_changes_it_once(kind, way, use_reentrant):
+    reference = _step(None, kind, way, use_reentrant)
+    ckpt_guard.uninstall()
+    try:  # raw torch: wrong gradients and a cache grown twice, or a CheckpointError
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            raw = _step(checkpoint, kind, way, use_reentrant)
+        assert raw[-1].shape != reference[-1].shape  # the cache grew twice
+        assert not all(torch.equal(a, b) for a, b in zip(raw[:-1], reference[:-1]))
+    except torch.utils.checkpoint.CheckpointError as error:
+        assert "different metadata" in str(error)
+    finally:
+        ckpt_guard.install("strict")
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError) as info:
+        _step(checkpoint, kind, way, use_reentrant)
+    assert info.value.rule.id == "CKG112"
+    message = str(info.value)
+    assert "[CKG112]" in message
+    label = {
+        "argument": "its argument 2", "keyword": "its keyword argument 'cache'",
+        "partial": "keyword argument 'cache' bound by a functools.partial", "closure": "the closure variable 'cache'",
+    }[way]
+    assert label in message, message
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match=r"\[CKG112\]"):
+        repaired = _step(checkpoint, kind, way, use_reentrant)
+    assert_all_close(repaired, reference)  # the gradients, and the cache as the uncheckpointed run left it
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_tensor_updated_in_place_in_a_container_cannot_be_replayed(use_reentrant):
+    """A static cache written in place: what the forward read is gone, so fallback raises as strict."""
+
+    def block(x, cache):
+        return x * cache[0]
+
+    for policy in ("strict", "fallback"):
+        x = torch.randn(3, requires_grad=True)
+        cache = [torch.randn(3)]
+        with ckpt_guard.policy(policy):
+            y = checkpoint(block, x, cache, use_reentrant=use_reentrant)
+            cache[0].mul_(2)
+            with pytest.raises(CheckpointCompositionError, match="a tensor in its argument 2 was updated in place") as info:
+                y.sum().backward()
+        assert info.value.rule.id == "CKG112"
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_containers_the_block_does_not_change_are_quiet_and_bitwise(use_reentrant):
+    """A list of weights, rotary embeddings as a tuple, a config object: torch's values, no report."""
+
+    class Config:
+        scale = 0.5
+
+        def __init__(self):
+            self.shift = 1.0
+
+    def block(x, weights, rotary, config, table):
+        cos, sin = rotary
+        return torch.tanh(x @ weights[0] * cos + sin) * config.scale + config.shift + table["bias"]
+
+    def step(ckpt):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(3, 4, requires_grad=True)
+        rotary, table = (torch.randn(4), torch.randn(4)), {"bias": torch.randn(4)}
+        y = ckpt(block, x, [w], rotary, Config(), table, use_reentrant=use_reentrant)
+        y.sum().backward()
+        return [y.detach(), x.grad, w.grad]
+
+    ckpt_guard.uninstall()
+    try:
+        raw = step(checkpoint)
+    finally:
+        ckpt_guard.install("strict")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        for policy in ("strict", "warn", "fallback"):
+            with ckpt_guard.policy(policy):
+                assert_all_equal(step(checkpoint), raw)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_log_of_devices_and_numbers_is_not_a_change_the_recompute_reads(use_reentrant):
+    """Instrumentation (``seen.append(t.device)``, a call counter in a dict) moves no tensor: quiet."""
+    seen, calls = [], {"n": 0}
+
+    def block(x):
+        seen.append(x.device)
+        calls["n"] += 1
+        return torch.tanh(x)
+
+    x = torch.randn(3, requires_grad=True)
+    with ckpt_guard.policy("strict"), warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        checkpoint(block, x, use_reentrant=use_reentrant).sum().backward()
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+    assert calls["n"] == len(seen) == 2  # torch's recompute ran the block again, as it does
+
+
+def test_a_list_the_block_only_collects_into_is_reported_and_fallback_appends_once():
+    """The documented exception: a list of tensors the block collects into (aux losses) is not read, but
+    the recompute appends to it again; the guard cannot tell it from a cache."""
+
+    def block(x, collected):
+        y = torch.tanh(x)
+        collected.append(y.detach().sum())
+        return y
+
+    def step(policy):
+        x = torch.randn(3, requires_grad=True)
+        collected = []
+        with ckpt_guard.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checkpoint(block, x, collected, use_reentrant=True).sum().backward()
+        return len(collected)
+
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG112\]"):
+        step("strict")
+    assert step("off") == 2  # torch: the recompute appended a second time
+    assert step("fallback") == 1  # as without checkpointing
+
+
+# ---------------------------------------------------------------------------
+# the composable recompute (ckpt_guard.checkpoint under torch.func, and fallback there)
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self, attention, composable):
+        super().__init__()
+        self.attention, self.composable = attention, composable
+
+    def forward(self, x, cache):
+        if self.composable:
+            return ckpt_guard.checkpoint(self.attention, x, cache)
+        return self.attention(x, cache)
+
+
+class AttributeCache(Attention):
+    """The cache as a plain attribute of the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = []
+
+    def forward(self, x, cache=None):
+        return super().forward(x, self.cache)
+
+
+def _grad_step(composable, kind, filled, attribute=False):
+    torch.manual_seed(0)
+    attention = AttributeCache() if attribute else Attention()
+    x = torch.randn(3, 4)
+    cache = _cache(kind, filled)
+    if attribute:
+        attention.cache = cache
+    model = Wrapper(attention, composable)
+    params = dict(model.named_parameters())
+    grads = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x, cache)).sum())(params)
+    return [*grads.values(), _keys(cache).detach()]
+
+
+@pytest.mark.parametrize("filled", [False, True], ids=["empty", "filled"])
+@pytest.mark.parametrize("kind", ["list", "dict", "object", "module attribute"])
+def test_the_composable_recompute_refuses_a_block_that_changes_its_container(kind, filled):
+    attribute = kind == "module attribute"
+    kind = "list" if attribute else kind
+    reference = _grad_step(False, kind, filled, attribute)
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError) as info:
+        _grad_step(True, kind, filled, attribute)
+    assert "could not use its composable recompute here: the block changes a container it is given" in str(info.value)
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = _grad_step(True, kind, filled, attribute)
+    assert_all_close(got, reference)  # the gradients, and the cache grown once
+
+
+def test_the_composable_recompute_keeps_a_block_that_only_reads_its_container():
+    def block(x, weights):
+        return torch.tanh(x @ weights[0])
+
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 4), torch.randn(3, 4)
+
+    def loss(w, ckpt):
+        return ckpt(block, x, [w]).sum()
+
+    reference = torch.func.grad(loss)(w, lambda f, *a: f(*a))
+    before = _composable.RECOMPUTES
+    got = torch.func.grad(loss)(w, ckpt_guard.checkpoint)
+    assert _composable.RECOMPUTES == before + 1  # recomputed: the memory saving is kept
+    torch.testing.assert_close(got, reference)
