@@ -206,6 +206,9 @@ class Plan:
         self.rng: Any = None
         #: (generator, state) of each user torch.Generator the forward drew from, before its first draw
         self.generators: List[tuple] = []
+        #: the user's containers the forward changed, as it found them (``_state.contents_snapshot``
+        #: entries): every recompute runs with these contents, and puts back what they hold then
+        self.contents: List[tuple] = []
         self.autocast: Any = None
         self.default_dtype = torch.get_default_dtype()
         #: a torch.device(...) context's device at the call: the Function's forward
@@ -246,8 +249,16 @@ class Plan:
                 output = function(*args, **kwargs)
             check.raise_refusal()  # one the block's own ``except Exception`` caught
             check.check_outputs(_output_tensors(output))
-            _no_changed_containers(given)
+            if given:
+                self.contents = _contents_to_replay(given, self._own_containers())
             return output
+
+    def _own_containers(self) -> set:
+        """The ids of the user's own containers the block is given (not the copies a call makes)."""
+        roots = (_state._argument_roots(self.function, *self.call_args) or []) + [
+            (name, value) for _, name, value, _ in self.attributes if _state._holds_container(value)
+        ]
+        return {id(entry[1]) for entry in _state.contents_snapshot(roots)}
 
     def pure(
         self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None, first: bool = False,
@@ -414,6 +425,8 @@ class Plan:
                 _tuc.set_device_states(devices, states)
             if self.generators:
                 stack.enter_context(_forward_generators(self.generators))
+            if self.contents:
+                stack.enter_context(_state.replaying_contents(self.contents, lock=False))
             if torch.amp.is_autocast_available(device_type) and device_type != "cpu":
                 stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
             stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
@@ -432,23 +445,39 @@ class ChangedContainer(Exception):
         self.reason = reason
 
 
-def _no_changed_containers(given: tuple) -> None:
-    """Raise :class:`ChangedContainer` (their contents put back) if the forward changed one of ``given``.
+def _contents_to_replay(given: tuple, own: set) -> List[tuple]:
+    """What the recompute must replay of the containers the forward changed; :class:`ChangedContainer` where
+    no replay can be right (their contents put back first: the caller may run the block again).
 
-    A recompute would start from what the forward left there, and what the
-    block put there (a tensor it computed) could carry no gradient out of a
-    checkpoint: no recompute can be right.  A tensor in them updated in place
-    is the proof's (a copy was kept before the write).
+    A change is replayed (each recompute starts from what the forward found,
+    and puts back what is there then: a counter, a log of detached tensors
+    changes once) unless the block changed a copy the call made (the user's
+    own container would never see it) or put in a tensor that carries a
+    gradient, or a container (a KV cache entry: no gradient can leave a
+    checkpoint that way).  A tensor in them updated in place is the proof's.
     """
-    changed = [entry for entry in _state.changed_contents(given) if entry[2] != "tensor"] if given else ()
-    if not changed:
-        return
-    what = _state.describe_contents_change(tuple(changed), ())
+    changed = [entry for entry in _state.changed_at_all(given) if entry[2] != "tensor"]
+    why = ""
+    for path, value, kind, recorded in changed:
+        if id(value) not in own:
+            why = f"it changes {path}, which the call hands it as a copy (the user's own would not change)"
+        elif not _state.replayable([(path, value, kind, recorded)]):
+            why = f"it changes {path}, a container too long to keep a copy of"
+        elif any(
+            _state.requires_grad_anywhere(item) if isinstance(item, Tensor) else _state._may_hold_tensors(item)
+            for item in _state._moved(_state._shallow(value, kind), recorded, kind)
+        ):
+            what = _state.describe_contents_change(((path, value, kind, recorded),))
+            why = (
+                f"it puts a tensor that carries a gradient (or a container) into {path} ({what}): "
+                "no gradient can leave a checkpoint that way"
+            )
+        if why:
+            break
+    if not why:
+        return changed
     _state.restore_contents(changed)
-    raise ChangedContainer(
-        f"the block changes a container it is given ({what}): a recompute would start from what the "
-        "forward left there, and what the block puts there could carry no gradient out of a checkpoint"
-    )
+    raise ChangedContainer(f"the block changes a container it is given: {why}")
 
 
 @contextlib.contextmanager

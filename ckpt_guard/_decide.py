@@ -217,6 +217,9 @@ _TRANSFORM_RULE_IDS = tuple(
 ) + tuple(rule.id for rule in DRIFT_RULES if rule.read == "transform_stack" and rule.holds_on(TORCH))
 
 
+_SUGGESTS_CHECKPOINT = "or call ckpt_guard.checkpoint(block, *inputs)"
+
+
 def _fixes(rule: Rule, policy: str, source: str, remedy: str = "", worked: bool = False, fired: Sequence[str] = ()) -> list[str]:
     """The remedy (``remedy`` where one fits this case better), then the policy changes that help.
 
@@ -241,7 +244,7 @@ def _fixes(rule: Rule, policy: str, source: str, remedy: str = "", worked: bool 
         )
         if rule.id in _TRANSFORM_RULE_IDS and "ckpt_guard.checkpoint" not in fixes[0]:
             fixes.append(
-                "or call ckpt_guard.checkpoint(block, *inputs) for these blocks: the composable recompute "
+                f"{_SUGGESTS_CHECKPOINT} for these blocks: the composable recompute "
                 "under torch.func, torch's own checkpoint elsewhere, whatever the policy"
             )
     if worked:
@@ -447,7 +450,8 @@ def _compile_capture(readers: tuple) -> Any:
     builtin calls instead of one Python call per drift rule.
 
     Readers with ``part_of = (reader, index)`` are parts of one read: the
-    block's snapshot (its tensors, hooks and train/eval flags) is taken once.
+    block's snapshot (its tensors, hooks and train/eval flags) is taken once,
+    and so is what the block is given (containers and user generators).
     """
     namespace: dict = {}
     parts = []
@@ -473,7 +477,10 @@ def _compile_capture(readers: tuple) -> Any:
             parts.append(f"({call} if active{i}() else ())")
         else:
             parts.append(call)
-    reads = "".join(f"    {name}_ = {name}(function)\n" for name in shared.values())
+    reads = "".join(
+        f"    {name}_ = {name}(function{', inputs, keywords' if getattr(reader, 'takes_inputs', False) else ''})\n"
+        for reader, name in shared.items()
+    )
     source = f"def capture(function, inputs=(), keywords=None):\n{reads}    return ({', '.join(parts)},)\n"
     # Filed under this file: dynamo skips it, and call-site walks count it as the guard's.
     exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - generated from the rule table
@@ -491,6 +498,9 @@ _ANTICIPATED_INDICES = tuple(
     if rule.read in ("swapped_reads", "user_dispatch_modes", "user_function_modes", "transform_stack")
 )
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
+_CONTENTS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "argument_contents")
+_CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
+_GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")
 _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
@@ -754,12 +764,64 @@ def _checked_call(
                     stack.enter_context(replay)
                 return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
         return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
+    if forward_state[_CONTENTS_INDEX] and config.policy_for(_CONTENTS_RULE.id) == "fallback":
+        return _reentrant_forward_keeping_the_cache(function, args, forward_state, drew, config, site)
     if drew is None:
         return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
     before = _state.rng_states()  # the reentrant forward, preserve_rng_state=False
     result = function(*args, **kwargs)
     drew[0] = _state.drew_random(before)
     return _watch_output(result, reads, config, forward_state, site, nested)
+
+
+class RerunNonReentrant(Exception):
+    """Raised out of a reentrant forward that put a tensor in a container it was given (CKG112, fallback):
+    the patch point runs the call again with ``use_reentrant=False``, the forward's effects undone."""
+
+
+def _reentrant_forward_keeping_the_cache(
+    function: Any, args: tuple, forward_state: tuple, drew: Optional[list], config: _config.Config, site: tuple,
+) -> Any:
+    """CKG112 under fallback, the reentrant forward of a block given a container.
+
+    The reentrant forward runs under ``no_grad``: a tensor the block puts in
+    a container it was given (a KV cache entry) would carry no gradient to the
+    code that reads it later, and no recompute could give it one.  If it does,
+    the forward's effects are undone (the containers' contents, the CPU and
+    device RNG, the user generators) and the call runs again non-reentrant,
+    which keeps that gradient.  Where the forward also updated a tensor in
+    place (a BatchNorm's running statistics, an input) nothing can undo it:
+    raised.
+    """
+    contents = forward_state[_CONTENTS_INDEX]
+    before = _state.rng_states()
+    devices, device_rng = _torch_checkpoint.get_device_states(*args)
+    versions = _state.tensor_versions(function, args)
+    output = function(*args)
+    if not _state.changed_contents(contents):
+        if drew is not None:  # preserve_rng_state=False (CKG107)
+            drew[0] = _state.drew_random(before)
+        return output
+    if _state.updated_in_place(versions):
+        forward_site_text = _describe_forward_site(site)
+        _report_at_recompute(
+            _CONTENTS_RULE, "fallback", forward_site_text, when="after the reentrant forward",
+            site=forward_site_text, forward_site=forward_site_text, checkpointed=describe_checkpointed(function),
+            transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+            variant=describe_variant(True, None), source=config.source,
+            change=(
+                f"{_state.describe_contents_change(contents)}, in a reentrant forward (under no_grad: what it put "
+                "there carries no gradient) that also updated a tensor in place, a buffer or an input (it "
+                "cannot run again)"
+            ),
+        )
+    _state.restore_contents(_state.changed_at_all(contents))
+    _torch.set_rng_state(before[0])
+    if devices:
+        _torch_checkpoint.set_device_states(devices, device_rng)
+    for _, generator, state in forward_state[_GENERATORS_INDEX]:
+        generator.set_state(state)
+    raise RerunNonReentrant
 
 
 def _plain_output(output: Any) -> bool:
@@ -956,12 +1018,17 @@ def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
             "recompute on its thread (policy fallback)"
         )
     if rule.read == "argument_contents":
-        changed = _state.changed_contents(was)
-        if any(kind == "tensor" or recorded[:1] == (_state.LONG_MARK,) for _, _, kind, recorded in changed):
+        changed = _state.changed_at_all(was)  # every value put back, a position counter too
+        if not _state.replayable(changed):
             return None  # updated in place, or only its length kept: what the forward read is gone
-        return _forward_contents(changed), (
+        return _state.replaying_contents(changed), (
             "recomputing with the containers the block was given as the forward found them, their "
             "contents put back after the recompute (policy fallback)"
+        )
+    if rule.read == "generator_states":
+        return _forward_generator_states(_state.moved_generators(was)), (
+            "recomputing with each user generator in the state the forward found it in, its state put "
+            "back after the recompute (policy fallback)"
         )
     if rule.read in ("block_bindings", "block_hooks"):
         changes = _state.rebound(was, function, hooks=rule.read == "block_hooks")
@@ -999,7 +1066,7 @@ def _derived_bindings(changes: list) -> Optional[list]:
 
 
 #: a closure cell is the function's, not the thread's: one replay at a time points cells
-_CELL_LOCK = threading.RLock()
+_CELL_LOCK = _state.REPLAY_LOCK
 
 
 @contextlib.contextmanager
@@ -1024,19 +1091,21 @@ def _forward_bindings(changes: list) -> Any:
 
 
 @contextlib.contextmanager
-def _forward_contents(changed: list) -> Any:
-    """The forward's contents in the containers ``changed`` lists, for the recompute; theirs back after.
+def _forward_generator_states(moved: list) -> Any:
+    """Each generator of ``moved`` in its forward state for the recompute, in its state now after.
 
-    The containers are the user's objects, seen by every thread: one replay
-    at a time, under the lock the closure-cell replay takes.
+    As torch does for the default generators: the recompute draws what the
+    forward drew, and the program's next draw is the one it would have made.
     """
     with _CELL_LOCK:
-        now = _state.contents_snapshot([(label, value) for label, value, _, _ in changed])
-        _state.restore_contents(changed)
+        now = [(generator, generator.get_state()) for _, generator, _ in moved]
+        for _, generator, state in moved:
+            generator.set_state(state)
         try:
             yield
         finally:
-            _state.restore_contents([entry for entry in now if entry[2] != "tensor"])
+            for generator, state in now:
+                generator.set_state(state)
 
 
 def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
@@ -1451,7 +1520,8 @@ def public_checkpoint(
     # thread: the block may reach a swapped module any way), else by its traces
     if eager and not (_state.swaps_active_here() or _swapped_parameters(function, args)):
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
-    config = scoped or (_config._installed if _config._installed.active else None)
+    installed = _config._installed  # install("off") is a policy in force, not the absence of one
+    config = scoped or (installed if installed.active or installed.source != "default" else None)
     if config is None:
         config = _config.build_config(None, None, read_env=True)
     # torch's own options (determinism_check, debug, ...) are for torch's checkpoint, not the block
@@ -1471,8 +1541,10 @@ def public_checkpoint(
     try:
         outcome = decide_call(False, function, args, config)  # strict raises the rule's explanation
     except CheckpointCompositionError as exc:
+        # the rule's fixes may suggest ckpt_guard.checkpoint, which is what refused here
+        explained = "\n".join(line for line in str(exc).splitlines() if _SUGGESTS_CHECKPOINT not in line)
         raise CheckpointCompositionError(
-            f"{exc}\n  ckpt_guard.checkpoint could not use its composable recompute here: {built}", exc.rule
+            f"{explained}\n  ckpt_guard.checkpoint could not use its composable recompute here: {built}", exc.rule
         ) from None
     if outcome == NO_CHECKPOINT:  # fallback: plainly, inside the user's forward context
         with forward_context_of(context_fn) or contextlib.nullcontext():

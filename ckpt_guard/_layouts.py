@@ -328,20 +328,30 @@ def guard_apply(raw_apply: Callable[..., Any], decide: Any) -> classmethod:
     )
     NON_REENTRANT_INSTEAD = decide.NON_REENTRANT_INSTEAD
     rebuild_nested_output = decide.rebuild_nested_output
+    RerunNonReentrant = decide.RerunNonReentrant
+
+    def non_reentrant(function: Any, preserve_rng_state: bool, args: tuple) -> Any:
+        import torch.utils.checkpoint as tuc
+
+        return tuc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
     def apply(cls, function, preserve_rng_state, *args):
         decision = prepare(True, function, args, 0, None, preserve_rng_state)
         if type(decision) is RngWatch:  # preserve_rng_state=False: the forward runs through it
-            return raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
+            try:
+                return raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
+            except RerunNonReentrant:  # CKG112 under fallback: the forward put a tensor in a cache
+                return non_reentrant(function, decision.preserve_rng_state, args)
         if decision is STEP_ASIDE:
             return raw_apply(cls, function, preserve_rng_state, *args)
         if decision is NO_CHECKPOINT:
             return function(*args)
         if decision is NON_REENTRANT_INSTEAD:
-            import torch.utils.checkpoint as tuc
-
-            return tuc.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-        outputs = raw_apply(cls, decision, preserve_rng_state, *args)
+            return non_reentrant(function, preserve_rng_state, args)
+        try:
+            outputs = raw_apply(cls, decision, preserve_rng_state, *args)
+        except RerunNonReentrant:  # CKG112 under fallback: the forward put a tensor in a cache
+            return non_reentrant(function, preserve_rng_state, args)
         nested = getattr(decision, "nested", None)
         if nested is not None and nested[0] is not None:  # CKG010 under fallback: its structure back
             return rebuild_nested_output(outputs, nested)

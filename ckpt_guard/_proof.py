@@ -38,6 +38,8 @@ import torch
 from torch._C._functorch import get_unwrapped as _get_unwrapped, is_functorch_wrapped_tensor
 from torch.overrides import TorchFunctionMode
 
+from ._state import is_user_generator
+
 Tensor = torch.Tensor
 
 
@@ -125,7 +127,7 @@ class ReadCheck(TorchFunctionMode):
     def _keep_generator(self, generator: Any) -> None:
         """A user generator's state before the block's first draw from it.  A default generator
         passed by name is left out: the recompute replays those from the forward's start."""
-        if generator is torch.default_generator or generator in _device_default_generators():
+        if not is_user_generator(generator):
             return
         self.generators[id(generator)] = (generator, generator.get_state())
 
@@ -217,16 +219,6 @@ class CapturedReads(TorchFunctionMode):
 
 
 _Generator = torch.Generator
-
-
-def _device_default_generators() -> tuple:
-    """The default generators of the initialised accelerators (CUDA, XPU): the RNG replay's, not the user's."""
-    found: tuple = ()
-    for name in ("cuda", "xpu"):
-        device = getattr(torch, name, None)
-        if device is not None and getattr(device, "is_initialized", lambda: False)():
-            found += tuple(getattr(device, "default_generators", ()))
-    return found
 
 
 def _storage_address(tensor: Tensor) -> Optional[int]:

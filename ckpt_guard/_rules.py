@@ -783,6 +783,28 @@ def _probe_argument_changed(ckpt, use_reentrant):
     return [y.detach(), *_grads(x, *block.parameters()), torch.tensor(len(cache))]
 
 
+def _probe_user_generator(ckpt, use_reentrant):
+    """A block that draws its noise from a torch.Generator of its own (a seeded augmentation, a dropout)."""
+    import torch
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+            self.generator = torch.Generator().manual_seed(0)
+
+        def forward(self, x):
+            noise = torch.rand(x.shape, generator=self.generator)
+            return torch.tanh(self.linear(x) * noise)
+
+    torch.manual_seed(0)
+    block = Noisy()
+    x = torch.randn(3, 4, requires_grad=True)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    y.sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters()), block.generator.get_state()]
+
+
 _UNFORESEEABLE_FALLBACK = (
     "cannot help: this drift is only visible when the recompute starts, when nothing can "
     "repair it, so fallback raises as strict does"
@@ -1099,13 +1121,56 @@ _DRIFT_RULES = [
         fallback=(
             "recomputes with the containers as the forward found them, and puts back what they hold "
             "after the recompute (the change happens once, as without checkpointing): correct, keeps "
-            "the memory saving; a tensor in them updated in place cannot be put back: raises as strict"
+            "the memory saving (a reentrant forward that put a tensor in them runs again with "
+            "use_reentrant=False, so that tensor keeps its gradient); a tensor in them updated in "
+            "place cannot be put back: raises as strict"
         ),
         refs=("https://github.com/pytorch/pytorch/issues/155171",),
         torch_note="the recompute runs the block on the same container objects, as they are when it runs",
         probe=_probe_argument_changed,
         read="argument_contents",
         render="describe_contents",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    ),
+    Rule(
+        id="CKG113",
+        title="a torch.Generator of the user's that the checkpointed block draws from moved on before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "the checkpointed block draws random numbers from a torch.Generator of the user's "
+            "(torch.rand(..., generator=g), a dropout or augmentation with its own generator) held "
+            "as an attribute of one of its modules or given to it (an argument, a keyword, a "
+            "functools.partial, a closure variable, inside a list, dict or object it is given)"
+        ),
+        symptom=(
+            "returns silently wrong gradients: torch's checkpoint restores the default generators "
+            "for the recompute, never a user's, so the recompute draws the next numbers (another "
+            "noise, another mask) and advances the generator a second time"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "draw from the default generator (seeded with torch.manual_seed) inside checkpointed "
+            "blocks, which torch restores for the recompute; or draw the noise outside the block "
+            "and pass it in as an input"
+        ),
+        fallback=(
+            "recomputes with each user generator in the state the forward found it in, and puts its "
+            "state back after (the program's next draw is the one it would have made): correct, "
+            "keeps the memory saving"
+        ),
+        # preserve_rng_state was added for the default generators (#14253); its devices are the
+        # inputs' (#121212): no release saves a generator of the user's
+        refs=(
+            "https://github.com/pytorch/pytorch/pull/14253",
+            "https://github.com/pytorch/pytorch/issues/121212",
+        ),
+        torch_note=(
+            "preserve_rng_state saves and restores only the default CPU and device generators"
+        ),
+        probe=_probe_user_generator,
+        read="generator_states",
+        render="describe_generators",
         measured_on=("2.4.1", "2.13.0", "2.15.0"),
     ),
 ]

@@ -33,6 +33,7 @@ optimizer cannot).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
@@ -42,7 +43,7 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._C._functorch import (
@@ -490,7 +491,7 @@ class _Structure:
     structure is then walked again.
     """
 
-    __slots__ = ("ref", "paths", "shape", "rrelus", "snapshot")
+    __slots__ = ("ref", "paths", "shape", "rrelus", "generators", "snapshot")
 
     def __init__(self, module: Module) -> None:
         self.ref = weakref.ref(module)
@@ -499,6 +500,7 @@ class _Structure:
         self.rrelus = [weakref.ref(m) for _, m in named if isinstance(m, torch.nn.RReLU)]  # CKG009's
         if self.rrelus:
             rrelu_seen[0] = True
+        self.generators = _generator_attributes(module)  # CKG113's
         # per module: (path, number of children, has parameters, has buffers)
         shape = self.shape = tuple(
             (path, len(m._modules), bool(m._parameters), bool(m._buffers)) for path, m in named
@@ -769,8 +771,25 @@ _ATOMS = frozenset({
     torch.dtype, torch.device, torch.Size,
 })
 _SCALARS = _ATOMS - {Tensor, torch.nn.Parameter}
-#: how far into a container, and how many values, the capture looks
-_CONTENTS_DEPTH, _CONTENTS_BUDGET = 3, 256
+_Generator = torch.Generator
+#: how many containers deep, and how many containers and tensors per root, the capture looks
+_CONTENTS_DEPTH, _CONTENTS_BUDGET = 4, 256
+#: a container longer than this is recorded by its length and last values (a per-call
+#: copy of a long list of token ids would cost more than the block); fallback cannot
+#: put such a record back, so it raises for it as strict
+_LONG, _LONG_TAIL = 256, 8
+LONG_MARK = "<long container>"
+#: one replay of the user's shared objects at a time (containers, closure cells, generators)
+REPLAY_LOCK = threading.RLock()
+
+
+def _object_state(value: object) -> Optional[dict]:
+    """An object's own ``__dict__``, or None (none, or one its class hides behind ``__getattr__``)."""
+    try:
+        state = object.__getattribute__(value, "__dict__")
+    except Exception:  # noqa: BLE001 - __slots__, a __getattr__ of its own: not watched
+        return None
+    return state if type(state) is dict else None
 
 
 def _container_kind(value: object) -> Optional[str]:
@@ -781,43 +800,41 @@ def _container_kind(value: object) -> Optional[str]:
         return "dict"
     if isinstance(value, (Tensor, Module, tuple, type, types.FunctionType, types.MethodType, functools.partial)):
         return None
-    if getattr(value, "__dict__", None) is None:
+    root = (getattr(type(value), "__module__", None) or "").split(".")[0]
+    if root in _reads._LIBRARY_ROOTS or _object_state(value) is None:
         return None
-    root = (type(value).__module__ or "").split(".")[0]
-    return None if root in _reads._LIBRARY_ROOTS else "object"
+    return "object"
 
 
-def _argument_roots(function: object, inputs: tuple, keywords: Optional[dict]) -> Optional[list]:
-    """``[(label, value)]`` for the containers the block is given; None when there is none (the usual call)."""
-    roots = None
-    for i, value in enumerate(inputs):
-        if type(value) not in _ATOMS and _holds_container(value):
-            roots = roots or []
-            roots.append((f"its argument {i + 1}", value))
-    for name, value in keywords.items() if keywords else ():
-        if type(value) not in _ATOMS and _holds_container(value):
-            roots = roots or []
-            roots.append((f"its keyword argument {name!r}", value))
+def _argument_roots(
+    function: object, inputs: tuple, keywords: Optional[dict], modules: Optional[list] = None,
+) -> Optional[list]:
+    """``[(label, value)]`` for the containers and generators the block is given; None when there is none.
+
+    ``modules``: where to list the modules it is given (arguments, closure
+    cells, what a partial binds), for their generators.
+    """
+    roots: list = []
+    values = [(f"its argument {i + 1}", value) for i, value in enumerate(inputs)]
+    values += [(f"its keyword argument {name!r}", value) for name, value in (keywords or {}).items()]
     while type(function) is functools.partial:
-        for i, value in enumerate(function.args):
-            if type(value) not in _ATOMS and _holds_container(value):
-                roots = roots or []
-                roots.append((f"argument {i + 1} bound by a functools.partial", value))
-        for name, value in function.keywords.items():
-            if type(value) not in _ATOMS and _holds_container(value):
-                roots = roots or []
-                roots.append((f"keyword argument {name!r} bound by a functools.partial", value))
+        values += [(f"argument {i + 1} bound by a functools.partial", v) for i, v in enumerate(function.args)]
+        values += [(f"keyword argument {k!r} bound by a functools.partial", v) for k, v in function.keywords.items()]
         function = function.func
     if type(function) is types.FunctionType and function.__closure__:
         for name, cell in zip(function.__code__.co_freevars, function.__closure__):
             try:
-                value = cell.cell_contents
+                values.append((f"the closure variable {name!r}", cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
-            if type(value) not in _ATOMS and _holds_container(value):
-                roots = roots or []
-                roots.append((f"the closure variable {name!r}", value))
-    return roots
+    for label, value in values:
+        if type(value) in _ATOMS:
+            continue
+        if modules is not None and isinstance(value, Module):
+            modules.append(value)
+        elif _holds_container(value):
+            roots.append((label, value))
+    return roots or None
 
 
 def _holds_container(value: object) -> bool:
@@ -826,75 +843,89 @@ def _holds_container(value: object) -> bool:
             if type(item) not in _ATOMS and _holds_container(item):
                 return True
         return False
-    return _container_kind(value) is not None
+    return type(value) is _Generator or _container_kind(value) is not None
 
 
-#: a container longer than this is recorded by its length and last items (a per-call
-#: copy of a long list of token ids would cost more than the block); its contents
-#: cannot be put back, so fallback raises for it as strict
-_LONG, _LONG_TAIL = 256, 8
-LONG_MARK = "<long container>"
+def _full(value: object, kind: str) -> tuple:
+    """A container's items, read through the base class (a subclass's own ``__iter__`` or ``items`` may do anything)."""
+    if kind == "list":
+        return tuple(list.__getitem__(value, slice(None)))  # type: ignore[arg-type]
+    if kind == "dict":
+        return tuple(dict.items(value))  # type: ignore[arg-type]
+    return tuple((_object_state(value) or {}).items())
 
 
 def _shallow(value: object, kind: str) -> tuple:
-    if kind == "list":
-        if len(value) > _LONG:  # type: ignore[arg-type]
-            return (LONG_MARK, len(value), *value[-_LONG_TAIL:])  # type: ignore[arg-type,index]
-        return tuple(value)  # type: ignore[arg-type]
-    items = value.items() if kind == "dict" else vars(value).items()  # type: ignore[attr-defined]
-    if len(items) > _LONG:  # its last values only
-        return (LONG_MARK, len(items), *[v for _, v in list(items)[-_LONG_TAIL:]])
-    return tuple(items)
+    """What the capture keeps of a container: its items (a list's) or ``(key, value)`` pairs."""
+    items = _full(value, kind)
+    if len(items) > _LONG:  # its length and last values only
+        tail = items[-_LONG_TAIL:] if kind == "list" else tuple(v for _, v in items[-_LONG_TAIL:])
+        return (LONG_MARK, len(items), *tail)
+    return items
 
 
-def contents_snapshot(roots: list) -> tuple:
-    """``((label, container, kind, shallow contents) | (label, tensor, "tensor", version), ...)``.
+def _step(path: str, key: object, kind: str) -> str:
+    return f"{path}.{key}" if kind == "object" else f"{path}[{key!r}]"
+
+
+def contents_snapshot(roots: list, generators: Optional[list] = None) -> tuple:
+    """``((path, container, kind, shallow contents) | (path, tensor, "tensor", version), ...)``.
 
     Depth-first from each root, each container once, at most
-    ``_CONTENTS_DEPTH`` containers deep and ``_CONTENTS_BUDGET`` values in all.
+    ``_CONTENTS_DEPTH`` containers deep and ``_CONTENTS_BUDGET`` containers
+    and tensors per root.  ``path``: the root's label, then the way in
+    (``its argument 2.layers[0]``).  A user ``torch.Generator`` met on the way
+    is appended to ``generators`` as ``(path, generator)``, if given.
     """
     entries: list = []
     seen: set = set()
-    budget = _CONTENTS_BUDGET
     for label, root in roots:
-        stack = [(root, 0)]
+        stack = [(root, 0, label)]
+        budget = _CONTENTS_BUDGET
         while stack and budget > 0:
-            value, depth = stack.pop()
-            budget -= 1
-            if type(value) in _SCALARS:
-                continue
-            if id(value) in seen:
+            value, depth, path = stack.pop()
+            if type(value) in _SCALARS or id(value) in seen:
                 continue
             if isinstance(value, Tensor):
                 seen.add(id(value))
+                budget -= 1
                 if depth:  # an argument tensor itself: torch checks its version
                     try:
-                        entries.append((label, value, "tensor", value._version))
+                        entries.append((path, value, "tensor", value._version))
                     except Exception:  # noqa: BLE001 - a torch.func wrapper has no version counter
                         pass
                 continue
             if type(value) is tuple:
-                stack.extend((item, depth) for item in reversed(value))
+                stack.extend((item, depth, f"{path}[{i}]") for i, item in reversed(list(enumerate(value))))
+                continue
+            if type(value) is _Generator:
+                seen.add(id(value))
+                if generators is not None and is_user_generator(value):
+                    generators.append((path, value))
                 continue
             kind = _container_kind(value)
             if kind is None or depth >= _CONTENTS_DEPTH:
                 continue
             seen.add(id(value))
+            budget -= 1
             contents = _shallow(value, kind)
-            entries.append((label, value, kind, contents))
+            entries.append((path, value, kind, contents))
             if contents and contents[0] is LONG_MARK:
-                items = contents[2:]
+                stack.extend((item, depth + 1, f"{path}[…]") for item in reversed(contents[2:]))
             else:
-                items = contents if kind == "list" else [item for _, item in contents]
-            stack.extend((item, depth + 1) for item in reversed(items))
+                pairs = enumerate(contents) if kind == "list" else contents
+                stack.extend((item, depth + 1, _step(path, key, kind)) for key, item in reversed(list(pairs)))
     return tuple(entries)
 
 
-def argument_contents(function: object, inputs: tuple = (), keywords: Optional[dict] = None) -> tuple:
-    """CKG112's reader: the contents of the containers the block is given (``()`` on the usual call).
+_NO_ARGUMENT_STATE = ((), ())
+
+
+def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict] = None) -> tuple:
+    """``(contents, generators)``: CKG112's and CKG113's reads of what the block is given, in one walk.
 
     On every checkpoint call: a module or bound method given tensors only returns
-    after one look at each input.
+    after one look at each input (and one flag: has any block held a generator?).
     """
     kind = type(function)
     if not keywords and kind is not functools.partial and (kind is not types.FunctionType or not function.__closure__):
@@ -902,36 +933,67 @@ def argument_contents(function: object, inputs: tuple = (), keywords: Optional[d
             if type(value) not in _ATOMS:
                 break
         else:
-            return ()
-    roots = _argument_roots(function, inputs, keywords)
-    return contents_snapshot(roots) if roots else ()
+            if not module_generators_seen[0]:
+                return _NO_ARGUMENT_STATE
+            return (), _generator_states(_module_generators(function))
+    modules: list = []
+    roots = _argument_roots(function, inputs, keywords, modules)
+    found: list = _module_generators(function, modules)
+    contents = contents_snapshot(roots, found) if roots else ()
+    return contents, _generator_states(found) if found else ()
 
 
-argument_contents.takes_function = True  # type: ignore[attr-defined]
-argument_contents.takes_inputs = True  # type: ignore[attr-defined]
+argument_state.takes_inputs = True  # type: ignore[attr-defined]
+
+
+def argument_contents(function: object, inputs: tuple = (), keywords: Optional[dict] = None) -> tuple:
+    """CKG112's part of :func:`argument_state`: the contents of the containers the block is given."""
+    return argument_state(function, inputs, keywords)[0]
+
+
+argument_contents.part_of = (argument_state, 0)  # type: ignore[attr-defined]
+
+
+def _now(entry: tuple) -> object:
+    _, value, kind, _ = entry
+    return _version_of(value) if kind == "tensor" else _shallow(value, kind)
+
+
+def _same(now: object, was: object) -> bool:
+    """Two records of one container (or one tensor's versions) hold the same values, by identity."""
+    if type(now) is not tuple or type(was) is not tuple:
+        return now == was
+    return len(now) == len(was) and all(
+        a is b or (type(a) is tuple and type(b) is tuple and len(a) == 2 == len(b) and a[0] == b[0] and a[1] is b[1])
+        or (type(a) in _SCALARS and type(a) is type(b) and a == b)
+        for a, b in zip(now, was)
+    )
+
+
+def changed_at_all(was: tuple) -> list:
+    """The entries of ``was`` not as they were then: any value came, went or was replaced."""
+    return [entry for entry in was if not _same(_now(entry), entry[3])]
 
 
 def changed_contents(was: tuple) -> list:
-    """The entries of ``was`` whose container (or tensor) is not as it was then.
+    """The entries of ``was`` changed in a way a gradient can depend on.
 
-    A container counts only where a tensor (or a container, which may hold
-    one) came, went or was replaced: a list the block logs devices or
-    Python numbers into changes nothing a gradient depends on.
+    A tensor updated in place; a container where a tensor (or a container,
+    which may hold one) came, went or was replaced.  A list the block logs
+    devices or Python numbers into is not counted (fallback's replay puts
+    such values back all the same).
     """
     changed = []
-    for entry in was:
+    for entry in changed_at_all(was):
         _, value, kind, recorded = entry
-        if kind == "tensor":
-            if _version_of(value) != recorded:
-                changed.append(entry)
-        elif any(_may_hold_tensors(item) for item in _moved(_shallow(value, kind), recorded, kind)):
+        if kind == "tensor" or any(_may_hold_tensors(item) for item in _moved(_shallow(value, kind), recorded, kind)):
             changed.append(entry)
     return changed
 
 
 def _moved(now: tuple, was: tuple, kind: str) -> list:
     """The values that came, went or were replaced between two shallow contents."""
-    if kind == "list" or (was and was[0] is LONG_MARK):
+    if kind == "list" or (was and was[0] is LONG_MARK) or (now and now[0] is LONG_MARK):
         moved = [a for a, b in zip(now, was) if a is not b]
         moved += [b for a, b in zip(now, was) if a is not b]
         return moved + list(now[len(was):]) + list(was[len(now):])
@@ -957,27 +1019,29 @@ def describe_contents(value: object) -> str:
     return "what the block was given" if value else "nothing watched"
 
 
-def describe_contents_change(was: tuple, now: tuple) -> str:
-    """CKG112's change line: ``its argument 2 (a list): 1 item → 2 items``."""
+def describe_contents_change(was: tuple, now: tuple = ()) -> str:
+    """CKG112's change line: ``its argument 2.keys (a list): 1 item → 2 items``."""
     parts = []
-    for label, value, kind, recorded in changed_contents(was):
+    for path, value, kind, recorded in changed_contents(was):
         if kind == "tensor":
-            parts.append(f"a tensor in {label} was updated in place")
+            parts.append(f"the tensor {path} was updated in place")
             continue
         what = f"a {type(value).__name__}" if kind == "object" else f"a {kind}"
-        if kind == "object":
-            names = [k for k, v in recorded if vars(value).get(k, _GONE) is not v]
-            names += [k for k in vars(value) if k not in dict(recorded)]
-            parts.append(f"{label} ({what}): its {', '.join(map(str, names)) or 'attributes'} changed")
-        else:
-            now_len = len(value)  # type: ignore[arg-type]
-            parts.append(f"{label} ({what}): {_items(len(recorded))} → {_items(now_len)}" + (
-                "" if now_len != len(recorded) else ", other values"
-            ))
+        current = _shallow(value, kind)
+        if kind == "object" and not (recorded and recorded[0] is LONG_MARK):
+            before, after = dict(recorded), dict(current)
+            names = [k for k in {**before, **after} if after.get(k, _GONE) is not before.get(k, _GONE)]
+            parts.append(f"{path} ({what}): {', '.join(map(str, names)) or 'attributes'} changed")
+            continue
+        was_len = recorded[1] if recorded and recorded[0] is LONG_MARK else len(recorded)
+        now_len = current[1] if current and current[0] is LONG_MARK else len(current)
+        parts.append(f"{path} ({what}): {_count(was_len)} → {_count(now_len)}" + (
+            "" if now_len != was_len else ", other values"
+        ))
     return "; ".join(parts) or "what the block was given changed"
 
 
-def _items(n: int) -> str:
+def _count(n: int) -> str:
     return f"{n} item" if n == 1 else f"{n} items"
 
 
@@ -986,18 +1050,142 @@ argument_contents.relevant = lambda function, was, now: bool(changed_contents(wa
 
 
 def restore_contents(entries: list) -> None:
-    """Put each container of ``entries`` back to its recorded contents (tensors cannot be)."""
+    """Put each container of ``entries`` back to its recorded contents (not tensors, nor long records)."""
     for _, value, kind, recorded in entries:
+        if kind == "tensor" or (recorded and recorded[0] is LONG_MARK):
+            continue
         if kind == "list":
-            value[:] = recorded  # type: ignore[index]
+            list.__setitem__(value, slice(None), recorded)  # type: ignore[arg-type]
         elif kind == "dict":
-            value.clear()  # type: ignore[attr-defined]
-            value.update(recorded)  # type: ignore[attr-defined]
-        elif kind == "object":
-            state = vars(value)
-            for name in [k for k in state if k not in dict(recorded)]:
-                del state[name]
-            state.update(recorded)
+            dict.clear(value)  # type: ignore[arg-type]
+            dict.update(value, recorded)  # type: ignore[arg-type]
+        else:
+            state = _object_state(value)
+            if state is not None:
+                state.clear()
+                state.update(recorded)
+
+
+def replayable(entries: list) -> bool:
+    """Whether :func:`replaying_contents` can put these back: no tensor updated in place, no long record."""
+    return not any(kind == "tensor" or (recorded and recorded[0] is LONG_MARK) for _, _, kind, recorded in entries)
+
+
+@contextlib.contextmanager
+def replaying_contents(entries: list, lock: bool = True) -> Iterator[None]:
+    """The recorded contents in these containers while the block runs; what they hold now, after.
+
+    The containers are the user's objects, seen by every thread: with
+    ``lock``, one replay at a time (a rare repair: CKG112 under fallback).
+    The composable recompute replays without it, for every log or counter a
+    block keeps: a block that waits for another thread's block (a barrier)
+    must not wait for this lock too.  What they hold now is copied whole.
+    """
+    with REPLAY_LOCK if lock else contextlib.nullcontext():
+        now = [(path, value, kind, _full(value, kind)) for path, value, kind, _ in entries if kind != "tensor"]
+        restore_contents(entries)
+        try:
+            yield
+        finally:
+            restore_contents(now)
+
+
+
+# --------------------------------------------------------------------------
+# a user torch.Generator the block draws from (CKG113)
+#
+# torch's checkpoint preserves the default generators (CPU and the device's)
+# for the recompute, never one of the user's: a block that draws from its own
+# generator (``torch.randn(..., generator=g)``, a dropout of its own) draws
+# the next numbers in the recompute.  The capture keeps the state of each
+# user generator the block can reach: given to it (found as CKG112 finds
+# containers, and inside them) or held as an attribute of one of its modules.
+
+#: set once a checkpointed module holding a torch.Generator attribute is walked: until then
+#: CKG113 costs nothing for modules.  The capture reads the block snapshot (which walks a
+#: new module) before this, so a module's first call is seen too.
+module_generators_seen = [False]
+
+
+def _device_default_generators() -> tuple:
+    """The default generators of the initialised accelerators (CUDA, XPU): torch's RNG replay's, not the user's."""
+    found: tuple = ()
+    for name in ("cuda", "xpu"):
+        device = getattr(torch, name, None)
+        if device is not None and getattr(device, "is_initialized", lambda: False)():
+            found += tuple(getattr(device, "default_generators", ()))
+    return found
+
+
+def is_user_generator(generator: object) -> bool:
+    return generator is not torch.default_generator and not any(
+        generator is default for default in _device_default_generators()
+    )
+
+
+def _generator_attributes(module: Module) -> list:
+    """``[(path, name)]``: the plain attributes of ``module`` and its submodules that hold a torch.Generator."""
+    found = [
+        (path, name) for path, m in module.named_modules()
+        for name, value in vars(m).items() if type(value) is _Generator
+    ]
+    if found:
+        module_generators_seen[0] = True
+    return found
+
+
+def _module_generators(function: object, given: Sequence[Module] = ()) -> list:
+    """``[(label, generator)]`` held by the block's module (itself, its bound method, a partial of
+    either) or by a module it is given (an argument, a closure cell, what a partial binds)."""
+    block = _block_module(function)
+    modules = [block] if isinstance(block, Module) and module_generators_seen[0] else []
+    modules += [m for m in given if m is not block]
+    found = []
+    for module in modules:
+        for path, name in _structure(module).generators:
+            try:
+                value = vars(module.get_submodule(path) if path else module).get(name)
+            except AttributeError:
+                continue
+            if type(value) is _Generator and is_user_generator(value):
+                found.append((f"{type(module).__name__}{'.' + path if path else ''}.{name}", value))
+    return found
+
+
+def _generator_states(found: list) -> tuple:
+    return tuple((label, generator, generator.get_state()) for label, generator in found)
+
+
+def generator_states(function: object, inputs: tuple = (), keywords: Optional[dict] = None) -> tuple:
+    """CKG113's part of :func:`argument_state`: ``((label, generator, state), ...)``."""
+    return argument_state(function, inputs, keywords)[1]
+
+
+generator_states.part_of = (argument_state, 1)  # type: ignore[attr-defined]
+
+
+def moved_generators(was: tuple) -> list:
+    """The entries of ``was`` whose generator is not in the state it was then (the block drew from it)."""
+    return [entry for entry in was if not torch.equal(entry[1].get_state(), entry[2])]
+
+
+def describe_generators(value: object) -> str:
+    return "the user generators the block can draw from" if value else "no user generator"
+
+
+def describe_generator_change(was: tuple, now: tuple) -> str:
+    """CKG113's change line: ``the torch.Generator its argument 2 moved on since the forward``."""
+    labels = [label for label, _, _ in moved_generators(was)]
+    return "; ".join(
+        f"the torch.Generator {label} moved on since the forward (the block drew from it, or code between "
+        "the forward and the backward did)" for label in labels
+    ) or (
+        "a user generator moved on"
+    )
+
+
+generator_states.describe_change = describe_generator_change  # type: ignore[attr-defined]
+generator_states.relevant = lambda function, was, now: bool(moved_generators(was))  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------
@@ -1215,6 +1403,20 @@ def call_is_quiet(reentrant: bool, inputs: tuple, grad_enabled: bool) -> bool:
                 return True
         return False  # CKG006 needs a look at the parameters
     return True
+
+
+def tensor_versions(function: object, inputs: tuple) -> tuple:
+    """``((tensor, version), ...)`` for each tensor the block can update in place, as far as can be seen: its modules'
+    parameters and buffers (whatever the path to them), the tensors it holds, its tensor inputs."""
+    reads = _reads.reads_of(function).complete()
+    tensors = [t for m in (*reads.whole, *reads.partial) for t in (*m.parameters(), *m.buffers())]
+    tensors += [*reads.tensors, *(t for t in inputs if isinstance(t, Tensor))]
+    return tuple((t, _version_of(t)) for t in tensors)
+
+
+def updated_in_place(versions: tuple) -> bool:
+    """Whether a tensor of :func:`tensor_versions` was updated in place since."""
+    return any(_version_of(t) != version for t, version in versions)
 
 
 def rng_states() -> tuple:

@@ -13,6 +13,7 @@ refuses such a block, so fallback runs it plainly and strict explains.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 
 import pytest
@@ -155,7 +156,7 @@ def test_a_tensor_updated_in_place_in_a_container_cannot_be_replayed(use_reentra
         with ckpt_guard.policy(policy):
             y = checkpoint(block, x, cache, use_reentrant=use_reentrant)
             cache[0].mul_(2)
-            with pytest.raises(CheckpointCompositionError, match="a tensor in its argument 2 was updated in place") as info:
+            with pytest.raises(CheckpointCompositionError, match=r"the tensor its argument 2\[0\] was updated in place") as info:
                 y.sum().backward()
         assert info.value.rule.id == "CKG112"
 
@@ -283,7 +284,9 @@ def test_the_composable_recompute_refuses_a_block_that_changes_its_container(kin
     reference = _grad_step(False, kind, filled, attribute)
     with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError) as info:
         _grad_step(True, kind, filled, attribute)
-    assert "could not use its composable recompute here: the block changes a container it is given" in str(info.value)
+    message = str(info.value)
+    assert "could not use its composable recompute here: the block changes a container it is given" in message
+    assert "or call ckpt_guard.checkpoint(" not in message  # what the user called: not a fix
     with ckpt_guard.policy("fallback"), warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
         got = _grad_step(True, kind, filled, attribute)
@@ -305,3 +308,219 @@ def test_the_composable_recompute_keeps_a_block_that_only_reads_its_container():
     got = torch.func.grad(loss)(w, ckpt_guard.checkpoint)
     assert _composable.RECOMPUTES == before + 1  # recomputed: the memory saving is kept
     torch.testing.assert_close(got, reference)
+
+
+# ---------------------------------------------------------------------------
+# found by a fresh-eyes review of CKG112, each failed before its fix
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_fallback_puts_every_value_back_a_position_counter_too(use_reentrant):
+    """A cache object with a position counter and a list of keys: the recompute sees both as the forward did."""
+
+    class PositionCache:
+        def __init__(self):
+            self.pos, self.keys = 0, [torch.randn(3, 4)]
+
+    def block(linear, x, cache):
+        k = linear(x) * (cache.pos + 1)
+        cache.keys.append(k)
+        cache.pos += 1
+        return torch.cat(cache.keys).sum(0) * k
+
+    def step(ckpt):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 4)
+        x = torch.randn(3, 4, requires_grad=True)
+        cache = PositionCache()
+        y = ckpt(block, linear, x, cache, use_reentrant=use_reentrant) if ckpt else block(linear, x, cache)
+        y.sum().backward()
+        return [y.detach(), x.grad, linear.weight.grad, torch.tensor([len(cache.keys), cache.pos])]
+
+    reference = step(None)
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=r"its argument 3\.keys \(a list\)"):
+        step(checkpoint)
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        assert_all_close(step(checkpoint), reference)
+
+
+def test_reentrant_fallback_keeps_the_gradient_of_what_the_block_puts_in_the_cache():
+    """A later layer reads the cached key: the reentrant forward (under no_grad) loses its gradient, so
+    fallback undoes that forward and runs the call with use_reentrant=False instead."""
+    linear = torch.nn.Linear(4, 4)
+
+    def block(x, cache):
+        cache.append(linear(x))
+        k = torch.cat(cache)
+        return (x @ k.T).softmax(-1) @ k
+
+    def step(ckpt):
+        torch.manual_seed(0)
+        linear.zero_grad(set_to_none=True)
+        x = torch.randn(3, 4, requires_grad=True)
+        cache = [torch.ones(3, 4)]
+        y = ckpt(block, x, cache, use_reentrant=True) if ckpt else block(x, cache)
+        (y.sum() + cache[-1].pow(2).sum()).backward()
+        return [x.grad, linear.weight.grad, torch.tensor(len(cache))]
+
+    reference = step(None)
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match=r"\[CKG112\]"):
+        assert_all_close(step(checkpoint), reference)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_list_that_grows_past_the_long_mark_is_put_back_whole(use_reentrant):
+    linear = torch.nn.Linear(4, 4)
+
+    def block(x, outs):
+        for i in range(10):
+            outs.append(linear(x).detach() * i)
+        return linear(x).tanh()
+
+    outs = [torch.zeros(3, 4) for _ in range(250)]
+    x = torch.randn(3, 4, requires_grad=True)
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        checkpoint(block, x, outs, use_reentrant=use_reentrant).sum().backward()
+    assert len(outs) == 260 and all(isinstance(t, torch.Tensor) for t in outs)
+
+
+class _AttrConfig:
+    """An attribute dict with __slots__ and a __getattr__ that raises KeyError: not the guard's to read."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, **values):
+        object.__setattr__(self, "_d", values)
+
+    def __getattr__(self, name):
+        return self._d[name]
+
+
+class _ExplodingDict(dict):
+    def items(self):
+        raise RuntimeError("items is not for the guard")
+
+
+class _ExplodingList(list):
+    def __iter__(self):
+        raise RuntimeError("iteration is not for the guard")
+
+
+@pytest.mark.parametrize("given", [_AttrConfig(scale=2.0), _ExplodingDict(a=1), _ExplodingList([1])], ids=type)
+@pytest.mark.parametrize("policy", ["strict", "warn", "fallback"])
+def test_odd_objects_given_to_a_block_never_break_the_guard(given, policy):
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with ckpt_guard.policy(policy), warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        for use_reentrant in (True, False):
+            checkpoint(lambda h, _: linear(h) * 2, x, given, use_reentrant=use_reentrant).sum().backward()
+
+
+def test_a_cache_four_containers_deep_is_watched():
+    linear = torch.nn.Linear(4, 4)
+
+    class LayerCache:
+        def __init__(self):
+            self.keys = [torch.ones(3, 4)]
+
+    def block(x, context):
+        keys = context["layers"][0].keys
+        keys.append(linear(x))
+        k = torch.cat(keys)
+        return (x @ k.T).softmax(-1) @ k
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with ckpt_guard.policy("strict"), pytest.raises(
+        CheckpointCompositionError, match=r"its argument 2\['layers'\]\[0\]\.keys \(a list\): 1 item → 2 items"
+    ):
+        checkpoint(block, x, {"layers": [LayerCache()]}, use_reentrant=True).sum().backward()
+
+
+def test_a_big_config_given_first_does_not_use_up_the_watch_of_the_cache():
+    config = types.SimpleNamespace(**{f"field{i}": i for i in range(120)}, id2label={i: str(i) for i in range(150)})
+    linear = torch.nn.Linear(4, 4)
+
+    def block(x, config, cache):
+        cache.append(linear(x))
+        return torch.cat(cache).sum(0) * x
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=r"\[CKG112\]"):
+        checkpoint(block, x, config, [torch.ones(3, 4)], use_reentrant=True).sum().backward()
+
+
+class Logging(torch.nn.Module):
+    """Keeps detached attention maps for visualisation, and counts its calls in an object it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(4, 4)
+        self.maps = []
+
+    def forward(self, x, counter):
+        counter.calls += 1
+        a = (self.q(x) @ x.T).softmax(-1) * counter.calls
+        self.maps.append(a.detach())
+        return a @ x
+
+
+def test_the_composable_recompute_replays_a_log_and_a_counter_and_keeps_the_saving():
+    """Detached tensors and Python numbers carry no gradient: each recompute starts from what the
+    forward found and leaves what is there after (one map, one count), with the memory saving."""
+    torch.manual_seed(0)
+    module = Logging()
+    x = torch.randn(3, 4)
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def loss(p, counter, checkpointed):
+        run = lambda h: torch.func.functional_call(module, p, (h, counter))  # noqa: E731
+        return (ckpt_guard.checkpoint(run, x) if checkpointed else run(x)).pow(2).sum()
+
+    reference_counter = types.SimpleNamespace(calls=0)
+    reference = torch.func.grad(loss)(params, reference_counter, False)
+    module.maps.clear()
+    counter = types.SimpleNamespace(calls=0)
+    before = _composable.RECOMPUTES
+    with ckpt_guard.policy("strict"):
+        got = torch.func.grad(loss)(params, counter, True)
+    assert _composable.RECOMPUTES == before + 1
+    torch.testing.assert_close(got, reference)
+    assert counter.calls == reference_counter.calls == 1 and len(module.maps) == 1
+
+
+def test_install_off_is_the_policy_for_ckpt_guard_checkpoint_too():
+    """Found by review: a refused block under install("off") raised strict's explanation (the
+    environment's default) instead of doing what torch does."""
+    hidden = torch.randn(4, requires_grad=True)  # read through a global: the composable recompute refuses
+
+    def block(x):
+        return torch.tanh(x * _HIDDEN[0])
+
+    _HIDDEN[:] = [hidden]
+    ckpt_guard.install("off")
+    try:
+        with pytest.raises(RuntimeError) as info:
+            torch.func.grad(lambda x: ckpt_guard.checkpoint(block, x).sum())(torch.randn(4))
+        assert not isinstance(info.value, CheckpointCompositionError)
+    finally:
+        ckpt_guard.install("strict")
+
+
+_HIDDEN: list = []
+
+
+def test_reentrant_fallback_cannot_run_again_a_forward_that_updated_a_buffer():
+    """The reentrant forward put a key in the cache and updated BatchNorm's running statistics: running it
+    again non-reentrant would update them twice, so fallback raises (strict's explanation) instead."""
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+
+    def run(x, cache):
+        cache.append(block(x))
+        return torch.cat(cache).sum(0) * x
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with ckpt_guard.policy("fallback"), pytest.raises(CheckpointCompositionError, match=r"updated a tensor in place, a buffer or an input"):
+        checkpoint(functools.partial(run), x, [torch.ones(3, 4)], use_reentrant=True)
