@@ -453,8 +453,9 @@ def _contents_to_replay(given: tuple, own: set) -> List[tuple]:
     and puts back what is there then: a counter, a log of detached tensors
     changes once) unless the block changed a copy the call made (the user's
     own container would never see it) or put in a tensor that carries a
-    gradient, or a container (a KV cache entry: no gradient can leave a
-    checkpoint that way).  A tensor in them updated in place is the proof's.
+    gradient, alone or in a container (a KV cache entry: no gradient can
+    leave a checkpoint that way).  A tensor in them updated in place is the
+    proof's.
     """
     changed = [entry for entry in _state.changed_at_all(given) if entry[2] != "tensor"]
     why = ""
@@ -464,14 +465,10 @@ def _contents_to_replay(given: tuple, own: set) -> List[tuple]:
         elif not _state.replayable([(path, value, kind, recorded)]):
             why = f"it changes {path}, a container too long to keep a copy of"
         elif any(
-            _state.requires_grad_anywhere(item) if isinstance(item, Tensor) else _state._may_hold_tensors(item)
-            for item in _state._moved(_state._shallow(value, kind), recorded, kind)
+            _state.carries_gradient(item) for item in _state._moved(_state._shallow(value, kind), recorded, kind)
         ):
             what = _state.describe_contents_change(((path, value, kind, recorded),))
-            why = (
-                f"it puts a tensor that carries a gradient (or a container) into {path} ({what}): "
-                "no gradient can leave a checkpoint that way"
-            )
+            why = f"it puts a tensor that carries a gradient there ({what}): no gradient can leave a checkpoint that way"
         if why:
             break
     if not why:

@@ -360,8 +360,15 @@ def _where(function: Any, transforms: tuple, site_frame: Optional[FrameType]) ->
     }
 
 
-def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Config, early_stop: bool = True) -> str:
-    """Apply the call-time rules to a non-quiet call; may raise or warn."""
+def decide_call(
+    reentrant: bool, function: Any, args: tuple, config: _config.Config, early_stop: bool = True, refused: str = "",
+) -> str:
+    """Apply the call-time rules to a non-quiet call; may raise or warn.
+
+    ``refused``: why ``ckpt_guard.checkpoint``'s composable recompute could not
+    run this call, added to what the user reads (whose fixes then do not
+    suggest ``ckpt_guard.checkpoint``: that is what refused).
+    """
     state = _state.read_call_state(reentrant, function, args, early_stop)
     firing = _firing(state, config)
     if not firing:
@@ -374,10 +381,10 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
 
     also = [other.id for other, _ in firing if other is not rule]
     if policy == "strict":
-        message = build_message(
+        message = _with_refusal(build_message(
             rule, site=site, variant=variant, policy=policy, source=config.source,
             action="raised before running the checkpointed function (policy strict)", also=also, **where,
-        )
+        ), refused)
         _events.emit(rule.id, policy, "raised", site, "call")
         raise CheckpointCompositionError(message, rule)
 
@@ -394,11 +401,19 @@ def decide_call(reentrant: bool, function: Any, args: tuple, config: _config.Con
     event, action = _OUTCOME_TEXT[outcome]
     for other, other_policy in firing:
         _events.emit(other.id, other_policy, event, site, "call")
-    _warn(build_message(
+    _warn(_with_refusal(build_message(
         rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also,
         worked=policy == "fallback", **where,
-    ), rule)
+    ), refused), rule)
     return AS_ASKED if outcome == PROCEED else outcome
+
+
+def _with_refusal(message: str, refused: str) -> str:
+    """``message`` with why ckpt_guard.checkpoint's composable recompute refused (and no fix suggesting it)."""
+    if not refused:
+        return message
+    kept = "\n".join(line for line in message.splitlines() if _SUGGESTS_CHECKPOINT not in line)
+    return f"{kept}\n  ckpt_guard.checkpoint could not use its composable recompute here: {refused}"
 
 
 def _non_reentrant_will_do(state: _state.CallState, config: _config.Config, function: Any) -> bool:
@@ -1538,14 +1553,7 @@ def public_checkpoint(
         if _state.swaps_active_here():  # torch's checkpoint, guarded as any call: the guard sees this swap
             return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
         return _untracked_swap(function, args, kwargs, block_kwargs, options, config, context_fn, built)
-    try:
-        outcome = decide_call(False, function, args, config)  # strict raises the rule's explanation
-    except CheckpointCompositionError as exc:
-        # the rule's fixes may suggest ckpt_guard.checkpoint, which is what refused here
-        explained = "\n".join(line for line in str(exc).splitlines() if _SUGGESTS_CHECKPOINT not in line)
-        raise CheckpointCompositionError(
-            f"{explained}\n  ckpt_guard.checkpoint could not use its composable recompute here: {built}", exc.rule
-        ) from None
+    outcome = decide_call(False, function, args, config, refused=built)  # strict raises the rule's explanation
     if outcome == NO_CHECKPOINT:  # fallback: plainly, inside the user's forward context
         with forward_context_of(context_fn) or contextlib.nullcontext():
             return function(*args, **block_kwargs)

@@ -978,17 +978,46 @@ def changed_at_all(was: tuple) -> list:
 def changed_contents(was: tuple) -> list:
     """The entries of ``was`` changed in a way a gradient can depend on.
 
-    A tensor updated in place; a container where a tensor (or a container,
-    which may hold one) came, went or was replaced.  A list the block logs
-    devices or Python numbers into is not counted (fallback's replay puts
-    such values back all the same).
+    A tensor updated in place; in a container, a value replaced (a counter,
+    a position: the block may compute with it), or a tensor (or a container,
+    which may hold one) that came or went.  A log the block appends devices
+    or Python numbers to is not counted (fallback's replay puts such values
+    back all the same).
     """
-    changed = []
-    for entry in changed_at_all(was):
-        _, value, kind, recorded = entry
-        if kind == "tensor" or any(_may_hold_tensors(item) for item in _moved(_shallow(value, kind), recorded, kind)):
-            changed.append(entry)
-    return changed
+    return [
+        entry for entry in changed_at_all(was)
+        if entry[2] == "tensor" or _counts(_shallow(entry[1], entry[2]), entry[3], entry[2])
+    ]
+
+
+def _same_value(a: object, b: object) -> bool:
+    return a is b or (type(a) in _SCALARS and type(a) is type(b) and a == b)
+
+
+def _counts(now: tuple, was: tuple, kind: str) -> bool:
+    """Whether a change between two shallow contents is one a gradient can depend on (see :func:`changed_contents`)."""
+    if (was and was[0] is LONG_MARK) or (now and now[0] is LONG_MARK):
+        return any(_may_hold_tensors(item) for item in _moved(now, was, kind))
+    if kind == "list":
+        common = min(len(now), len(was))
+        if not all(_same_value(a, b) for a, b in zip(now[:common], was[:common])):
+            return True  # a value replaced in place (a counter in a box: counter[0] += 1)
+        return any(_may_hold_tensors(item) for item in (*now[common:], *was[common:]))
+    before, after = dict(was), dict(now)
+    for key, value in after.items():
+        if key in before:
+            if not _same_value(value, before[key]):
+                return True  # an entry or attribute replaced: a counter, a position, a flag
+        elif _may_hold_tensors(value):
+            return True
+    return any(_may_hold_tensors(value) for key, value in before.items() if key not in after)
+
+
+def carries_gradient(value: object) -> bool:
+    """A tensor that requires grad (through torch.func's wrappers), or a container holding one."""
+    if isinstance(value, Tensor):
+        return requires_grad_anywhere(value)
+    return any(kind == "tensor" and requires_grad_anywhere(t) for _, t, kind, _ in contents_snapshot([("", value)]))
 
 
 def _moved(now: tuple, was: tuple, kind: str) -> list:

@@ -12,6 +12,7 @@ refuses such a block, so fallback runs it plainly and strict explains.
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -198,12 +199,12 @@ def test_containers_the_block_does_not_change_are_quiet_and_bitwise(use_reentran
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_a_log_of_devices_and_numbers_is_not_a_change_the_recompute_reads(use_reentrant):
-    """Instrumentation (``seen.append(t.device)``, a call counter in a dict) moves no tensor: quiet."""
-    seen, calls = [], {"n": 0}
+    """Instrumentation that appends devices or numbers to a list moves no tensor: quiet, as torch."""
+    seen = []
 
     def block(x):
         seen.append(x.device)
-        calls["n"] += 1
+        seen.append(len(seen))
         return torch.tanh(x)
 
     x = torch.randn(3, requires_grad=True)
@@ -211,7 +212,44 @@ def test_a_log_of_devices_and_numbers_is_not_a_change_the_recompute_reads(use_re
         warnings.simplefilter("error", CheckpointCompositionWarning)
         checkpoint(block, x, use_reentrant=use_reentrant).sum().backward()
     torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
-    assert calls["n"] == len(seen) == 2  # torch's recompute ran the block again, as it does
+    assert len(seen) == 4  # torch's recompute ran the block again, as it does
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("where", ["object", "dict", "box"])
+def test_a_counter_the_block_bumps_and_reads_is_a_change(where, use_reentrant):
+    """Found by review: a step counter alone (no tensor next to it) that scales the output. Reentrant:
+    silently wrong gradients; non-reentrant: the counter bumped twice. A counter that only counts is
+    reported too (the guard cannot tell): the documented exception, exact under fallback."""
+    state = {"object": types.SimpleNamespace(step=0), "dict": {"step": 0}, "box": [0]}
+
+    def bump(st):
+        if where == "object":
+            st.step += 1
+            return st.step
+        if where == "dict":
+            st["step"] += 1
+            return st["step"]
+        st[0] += 1
+        return st[0]
+
+    def step(ckpt, policy="off"):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(3, 4, requires_grad=True)
+        st = copy.deepcopy(state[where])
+        block = lambda h, s: torch.tanh(h @ w) * bump(s)  # noqa: E731
+        with ckpt_guard.policy(policy):
+            y = ckpt(block, x, st, use_reentrant=use_reentrant) if ckpt else block(x, st)
+            y.sum().backward()
+        return [x.grad, w.grad, torch.tensor(bump(st))]
+
+    reference = step(None)
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG112\]"):
+        step(checkpoint, "strict")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        assert_all_close(step(checkpoint, "fallback"), reference)
 
 
 def test_a_list_the_block_only_collects_into_is_reported_and_fallback_appends_once():
@@ -287,10 +325,10 @@ def test_the_composable_recompute_refuses_a_block_that_changes_its_container(kin
     message = str(info.value)
     assert "could not use its composable recompute here: the block changes a container it is given" in message
     assert "or call ckpt_guard.checkpoint(" not in message  # what the user called: not a fix
-    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+    with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning) as record:
         got = _grad_step(True, kind, filled, attribute)
     assert_all_close(got, reference)  # the gradients, and the cache grown once
+    assert any("the block changes a container it is given" in str(w.message) for w in record)  # says why
 
 
 def test_the_composable_recompute_keeps_a_block_that_only_reads_its_container():
