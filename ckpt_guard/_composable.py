@@ -424,7 +424,8 @@ class Plan:
             if devices:
                 _tuc.set_device_states(devices, states)
             if self.generators:
-                stack.enter_context(_forward_generators(self.generators))
+                # the recompute draws are not the program's: each is left where the program had it
+                stack.enter_context(_state.replaying_generators(self.generators, lock=False))
             if self.contents:
                 stack.enter_context(_state.replaying_contents(self.contents, lock=False))
             if torch.amp.is_autocast_available(device_type) and device_type != "cpu":
@@ -475,20 +476,6 @@ def _contents_to_replay(given: tuple, own: set) -> List[tuple]:
         return changed
     _state.restore_contents(changed)
     raise ChangedContainer(f"the block changes a container it is given: {why}")
-
-
-@contextlib.contextmanager
-def _forward_generators(generators: List[tuple]) -> Any:
-    """Each user generator at its state before the forward's first draw, for the recompute; then
-    back where the user's program had it (the recompute draws are not the program's)."""
-    now = [generator.get_state() for generator, _ in generators]
-    for generator, state in generators:
-        generator.set_state(state)
-    try:
-        yield
-    finally:
-        for (generator, _), state in zip(generators, now):
-            generator.set_state(state)
 
 
 def _output_tensors(output: Any) -> List[Tensor]:

@@ -1041,7 +1041,8 @@ def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
             "contents put back after the recompute (policy fallback)"
         )
     if rule.read == "generator_states":
-        return _forward_generator_states(_state.moved_generators(was)), (
+        moved = [(generator, state) for _, generator, state in _state.moved_generators(was)]
+        return _state.replaying_generators(moved), (
             "recomputing with each user generator in the state the forward found it in, its state put "
             "back after the recompute (policy fallback)"
         )
@@ -1103,24 +1104,6 @@ def _forward_bindings(changes: list) -> Any:
                 cell.cell_contents = value
                 stack.callback(setattr, cell, "cell_contents", held)
         yield
-
-
-@contextlib.contextmanager
-def _forward_generator_states(moved: list) -> Any:
-    """Each generator of ``moved`` in its forward state for the recompute, in its state now after.
-
-    As torch does for the default generators: the recompute draws what the
-    forward drew, and the program's next draw is the one it would have made.
-    """
-    with _CELL_LOCK:
-        now = [(generator, generator.get_state()) for _, generator, _ in moved]
-        for _, generator, state in moved:
-            generator.set_state(state)
-        try:
-            yield
-        finally:
-            for generator, state in now:
-                generator.set_state(state)
 
 
 def _case_symptom(rule: Rule, was: Any, now: Any) -> str:

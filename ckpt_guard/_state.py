@@ -779,6 +779,11 @@ _CONTENTS_DEPTH, _CONTENTS_BUDGET = 4, 256
 #: put such a record back, so it raises for it as strict
 _LONG, _LONG_TAIL = 256, 8
 LONG_MARK = "<long container>"
+
+
+def _is_long(record: object) -> bool:
+    """A container record that keeps only its length and last values (see :func:`_shallow`)."""
+    return type(record) is tuple and bool(record) and record[0] is LONG_MARK
 #: one replay of the user's shared objects at a time (containers, closure cells, generators)
 REPLAY_LOCK = threading.RLock()
 
@@ -910,7 +915,7 @@ def contents_snapshot(roots: list, generators: Optional[list] = None) -> tuple:
             budget -= 1
             contents = _shallow(value, kind)
             entries.append((path, value, kind, contents))
-            if contents and contents[0] is LONG_MARK:
+            if _is_long(contents):
                 stack.extend((item, depth + 1, f"{path}[…]") for item in reversed(contents[2:]))
             else:
                 pairs = enumerate(contents) if kind == "list" else contents
@@ -964,8 +969,8 @@ def _same(now: object, was: object) -> bool:
     if type(now) is not tuple or type(was) is not tuple:
         return now == was
     return len(now) == len(was) and all(
-        a is b or (type(a) is tuple and type(b) is tuple and len(a) == 2 == len(b) and a[0] == b[0] and a[1] is b[1])
-        or (type(a) in _SCALARS and type(a) is type(b) and a == b)
+        _same_value(a, b)
+        or (type(a) is tuple and type(b) is tuple and len(a) == 2 == len(b) and a[0] == b[0] and a[1] is b[1])
         for a, b in zip(now, was)
     )
 
@@ -996,7 +1001,7 @@ def _same_value(a: object, b: object) -> bool:
 
 def _counts(now: tuple, was: tuple, kind: str) -> bool:
     """Whether a change between two shallow contents is one a gradient can depend on (see :func:`changed_contents`)."""
-    if (was and was[0] is LONG_MARK) or (now and now[0] is LONG_MARK):
+    if _is_long(was) or _is_long(now):
         return any(_may_hold_tensors(item) for item in _moved(now, was, kind))
     if kind == "list":
         common = min(len(now), len(was))
@@ -1022,7 +1027,7 @@ def carries_gradient(value: object) -> bool:
 
 def _moved(now: tuple, was: tuple, kind: str) -> list:
     """The values that came, went or were replaced between two shallow contents."""
-    if kind == "list" or (was and was[0] is LONG_MARK) or (now and now[0] is LONG_MARK):
+    if kind == "list" or _is_long(was) or _is_long(now):
         moved = [a for a, b in zip(now, was) if a is not b]
         moved += [b for a, b in zip(now, was) if a is not b]
         return moved + list(now[len(was):]) + list(was[len(now):])
@@ -1057,13 +1062,13 @@ def describe_contents_change(was: tuple, now: tuple = ()) -> str:
             continue
         what = f"a {type(value).__name__}" if kind == "object" else f"a {kind}"
         current = _shallow(value, kind)
-        if kind == "object" and not (recorded and recorded[0] is LONG_MARK):
+        if kind == "object" and not _is_long(recorded):
             before, after = dict(recorded), dict(current)
             names = [k for k in {**before, **after} if after.get(k, _GONE) is not before.get(k, _GONE)]
             parts.append(f"{path} ({what}): {', '.join(map(str, names)) or 'attributes'} changed")
             continue
-        was_len = recorded[1] if recorded and recorded[0] is LONG_MARK else len(recorded)
-        now_len = current[1] if current and current[0] is LONG_MARK else len(current)
+        was_len = recorded[1] if _is_long(recorded) else len(recorded)
+        now_len = current[1] if _is_long(current) else len(current)
         parts.append(f"{path} ({what}): {_count(was_len)} → {_count(now_len)}" + (
             "" if now_len != was_len else ", other values"
         ))
@@ -1081,7 +1086,7 @@ argument_contents.relevant = lambda function, was, now: bool(changed_contents(wa
 def restore_contents(entries: list) -> None:
     """Put each container of ``entries`` back to its recorded contents (not tensors, nor long records)."""
     for _, value, kind, recorded in entries:
-        if kind == "tensor" or (recorded and recorded[0] is LONG_MARK):
+        if kind == "tensor" or _is_long(recorded):
             continue
         if kind == "list":
             list.__setitem__(value, slice(None), recorded)  # type: ignore[arg-type]
@@ -1097,7 +1102,7 @@ def restore_contents(entries: list) -> None:
 
 def replayable(entries: list) -> bool:
     """Whether :func:`replaying_contents` can put these back: no tensor updated in place, no long record."""
-    return not any(kind == "tensor" or (recorded and recorded[0] is LONG_MARK) for _, _, kind, recorded in entries)
+    return not any(kind == "tensor" or _is_long(recorded) for _, _, kind, recorded in entries)
 
 
 @contextlib.contextmanager
@@ -1118,6 +1123,24 @@ def replaying_contents(entries: list, lock: bool = True) -> Iterator[None]:
         finally:
             restore_contents(now)
 
+
+@contextlib.contextmanager
+def replaying_generators(generators: Sequence[tuple], lock: bool = True) -> Iterator[None]:
+    """Each ``(generator, state)`` at that state while the block runs; where it is now, after.
+
+    As torch does for the default generators: the recompute draws what the
+    forward drew, and the program's next draw is the one it would have made.
+    ``lock``: as for :func:`replaying_contents`.
+    """
+    with REPLAY_LOCK if lock else contextlib.nullcontext():
+        now = [(generator, generator.get_state()) for generator, _ in generators]
+        for generator, state in generators:
+            generator.set_state(state)
+        try:
+            yield
+        finally:
+            for generator, state in now:
+                generator.set_state(state)
 
 
 # --------------------------------------------------------------------------
