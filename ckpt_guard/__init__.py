@@ -37,6 +37,7 @@ __all__ = [
     "is_installed",
     "policy",
     "record",
+    "replayable_mode",
     "rules",
     "uninstall",
 ]
@@ -138,6 +139,24 @@ def checkpoint(
     from . import _decide
 
     return _decide.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
+
+
+def replayable_mode(cls: type) -> type:
+    """Mark a ``TorchDispatchMode`` / ``TorchFunctionMode`` class as safe for fallback to re-enter in a recompute.
+
+    Use as a class decorator.  It says: what this mode computes depends on
+    nothing but its own attributes (numbers, flags, containers, its own
+    ``torch.Generator``), not on a global or another object.  Under policy
+    ``fallback`` a checkpointed block that runs under such a mode is then
+    checkpointed (its memory saving kept) instead of run plainly: the
+    recompute runs under the forward's mode object with its attributes as the
+    forward found them, pushed back by the base class (the mode's own
+    ``__enter__``/``__exit__`` do not run again), and its state is put back
+    after.  Subclasses are not marked.  Returns ``cls``.
+    """
+    from . import _state
+
+    return _state.mark_replayable_mode(cls)
 
 
 def rules() -> "tuple[Rule, ...]":

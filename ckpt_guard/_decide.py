@@ -656,12 +656,12 @@ def prepare_call(
                 return outcome
         if not grad:
             return STEP_ASIDE  # nothing will be recomputed
-    if may_anticipate and risk_visible(forward_state):
-        if anticipate(config, forward_state, reentrant, reads) != PROCEED:
-            return NO_CHECKPOINT
     modes_managed = (
         context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
     )
+    if may_anticipate and risk_visible(forward_state):
+        if anticipate(config, forward_state, reentrant, reads, modes_managed) != PROCEED:
+            return NO_CHECKPOINT
     # The user's call site, for messages: (code, f_lasti); the line number is
     # worked out only if a message needs it.  Inlined fast path: a known call
     # site at the last walk's depth.  (Walking the stack costs ~3 µs; each
@@ -989,7 +989,7 @@ def report_drift(
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]
         policy = config.policy_for(rule.id)
-        replay = _replay(rule, was, function) if policy == "fallback" else None
+        replay = _replay(rule, was, now, function, modes_managed) if policy == "fallback" else None
         _report_at_recompute(
             rule, policy, forward_site_text,
             repaired=replay[1] if replay else "",
@@ -1020,8 +1020,18 @@ _differs = _state.differs
 # fallback's replays: the recompute sees what the forward saw
 
 
-def _replay(rule: Rule, was: Any, function: Any) -> Optional[tuple]:
+def _replay(rule: Rule, was: Any, now: Any, function: Any, modes_managed: bool = False) -> Optional[tuple]:
     """``(context manager, what fallback did)`` for a drift fallback can undo, or None."""
+    if rule.read in ("user_dispatch_modes", "user_function_modes"):
+        replay = None if modes_managed else _state.modes_to_replay(was, now)
+        if replay is None or not _state.mode_state_kept(replay):
+            return None  # other modes, another object of a replayable class, a tensor it holds updated
+        names = ", ".join(type(mode).__name__ for mode, _ in (*replay[0], *replay[1]))
+        return _state.replaying_modes(replay, rule.read == "user_dispatch_modes"), (
+            f"recomputing under the forward's own mode objects ({names}, marked with "
+            "ckpt_guard.replayable_mode), their attributes as the forward found them, missing ones pushed "
+            "back for this recompute; their state is put back after (policy fallback)"
+        )
     if rule.read == "default_dtype":
         return _composable.default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
     if rule.read == "module_training" and was is not None:
@@ -1174,8 +1184,13 @@ def _report_at_recompute(
     raise CheckpointCompositionError(message, rule)
 
 
-def _anticipated_rule(config: _config.Config, forward_state: tuple) -> Optional[Rule]:
-    """The drift rule under fallback whose risk is visible in this forward state, or None."""
+def _anticipated_rule(config: _config.Config, forward_state: tuple, modes_managed: bool = False) -> Optional[Rule]:
+    """The drift rule under fallback whose risk is visible in this forward state, or None.
+
+    User modes that are all marked replayable (and recorded) are not a risk
+    here: the recompute re-enters them (:func:`_replay`), unless a user
+    ``context_fn`` manages the recompute's modes.
+    """
     if not risk_visible(forward_state):
         return None
     for index in _ANTICIPATED_INDICES:
@@ -1183,19 +1198,28 @@ def _anticipated_rule(config: _config.Config, forward_state: tuple) -> Optional[
             forward_state[index]
             and _DRIFT_HOLDS[index]
             and config.policy_for(DRIFT_RULES[index].id) == "fallback"
+            and (index not in _MODE_INDICES or modes_managed or not _replayable(forward_state[index]))
         ):
             return DRIFT_RULES[index]
     return None
 
 
-def anticipate(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:
+def _replayable(modes: Any) -> bool:
+    """Every user mode is marked replayable and its state was recorded at the call."""
+    return all(record is not None for record in getattr(modes, "records", (None,)))
+
+
+def anticipate(
+    config: _config.Config, forward_state: tuple, reentrant: bool, function: Any, modes_managed: bool = False,
+) -> str:
     """Fallback for drift risks visible at call time: run without checkpointing.
 
-    A parameter swap, a user mode or a torch.func transform is active while
-    grad is enabled (the patch points only ask then): the recompute could run
-    after it ended, and then nothing could repair the gradients.
+    A parameter swap, a user mode (not marked replayable) or a torch.func
+    transform is active while grad is enabled (the patch points only ask
+    then): the recompute could run after it ended, and then nothing could
+    repair the gradients.
     """
-    rule = _anticipated_rule(config, forward_state)
+    rule = _anticipated_rule(config, forward_state, modes_managed)
     if rule is None:
         return PROCEED
     site_frame, _ = user_frame(sys._getframe(1))

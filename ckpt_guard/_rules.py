@@ -598,10 +598,17 @@ def _probe_functional_call(ckpt, use_reentrant):
 
 
 def _probe_dispatch_mode(ckpt, use_reentrant):
-    """A user TorchDispatchMode (doubles sin) active in the forward, backward run outside it."""
+    """A user TorchDispatchMode (doubles sin) active in the forward, backward run outside it.
+
+    Marked replayable (it depends on nothing else), so fallback's row shows the replay; an
+    unmarked mode makes fallback run the block plainly (tests/test_mode_replay.py).
+    """
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from . import _state
+
+    @_state.mark_replayable_mode
     class DoubleSin(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -617,10 +624,16 @@ def _probe_dispatch_mode(ckpt, use_reentrant):
 
 
 def _probe_function_mode(ckpt, use_reentrant):
-    """A user TorchFunctionMode (doubles sin) active in the forward and around .backward()."""
+    """A user TorchFunctionMode (doubles sin) active in the forward and around .backward().
+
+    Marked replayable, as the dispatch mode's probe.
+    """
     import torch
     from torch.overrides import TorchFunctionMode
 
+    from . import _state
+
+    @_state.mark_replayable_mode
     class DoubleSin(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -819,8 +832,12 @@ _DRIFT_FALLBACK = (
 
 _MODE_FALLBACK = (
     "acts whenever a user mode is active at the call: runs the block without checkpointing "
-    "(correct whatever state the mode carries; that block's memory saving is lost); a mode first "
-    "seen missing at the recompute is raised as under strict"
+    "(correct whatever state the mode carries; that block's memory saving is lost), unless every "
+    "such mode's class is marked with @ckpt_guard.replayable_mode: then it checkpoints, and the "
+    "recompute runs under the forward's own mode objects with their attributes (and generators) as "
+    "the forward found them, put back after; a mode first seen missing at the recompute, another "
+    "object of a marked class, or a tensor a marked mode holds updated in place is raised as under "
+    "strict"
 )
 
 _DRIFT_RULES = [
@@ -867,7 +884,9 @@ _DRIFT_RULES = [
         variants=(REENTRANT, NON_REENTRANT),
         trigger=(
             "a user TorchDispatchMode was active when checkpoint ran the forward, and the recompute "
-            "runs without it or under a different dispatch-mode stack (torch's own modes are ignored)"
+            "runs without it or under a different dispatch-mode stack (torch's own modes are ignored); "
+            "for a mode marked @ckpt_guard.replayable_mode, also under another object of its class "
+            "or with its attributes changed since the forward"
         ),
         symptom=(
             "returns silently wrong gradients: the recompute runs without the mode, so the tensors "
@@ -875,9 +894,12 @@ _DRIFT_RULES = [
         ),
         symptom_kind="silently wrong",
         remedy=(
-            "keep the mode out of the checkpointed region; only for a mode with no state of its own "
-            "(no generator, counter or flag its __enter__ sets): run .backward() inside the same "
-            "dispatch mode, or re-enter it in the recompute with context_fn (use_reentrant=False)"
+            "keep the mode out of the checkpointed region; or, if what the mode computes depends on "
+            "nothing but its own attributes, mark its class with @ckpt_guard.replayable_mode and use "
+            "policy fallback (it recomputes under the forward's mode object and state); only for a mode "
+            "with no state of its own (no generator, counter or flag its __enter__ sets): run "
+            ".backward() inside the same dispatch mode, or re-enter it in the recompute with "
+            "context_fn (use_reentrant=False)"
         ),
         fallback=_MODE_FALLBACK,
         refs=("https://github.com/pytorch/pytorch/pull/148919",),
@@ -900,8 +922,10 @@ _DRIFT_RULES = [
         symptom="returns silently wrong gradients: the recompute runs without the mode",
         symptom_kind="silently wrong",
         remedy=(
-            "keep the function mode out of the checkpointed region; only for a mode with no state "
-            "of its own: re-enter it in the recompute with context_fn (use_reentrant=False)"
+            "keep the function mode out of the checkpointed region; or, if what the mode computes "
+            "depends on nothing but its own attributes, mark its class with "
+            "@ckpt_guard.replayable_mode and use policy fallback; only for a mode with no state of "
+            "its own: re-enter it in the recompute with context_fn (use_reentrant=False)"
         ),
         fallback=_MODE_FALLBACK,
         refs=(

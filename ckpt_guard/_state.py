@@ -43,7 +43,7 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch._C._functorch import (
@@ -56,7 +56,7 @@ from torch.autograd import forward_ad
 from torch.overrides import _get_current_function_mode_stack
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext, _device_constructors
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import _reads
 
@@ -151,22 +151,68 @@ def is_user_mode(mode: object) -> bool:
     return not _is_infrastructure_class(type(mode))
 
 
-# Modes are compared by class: re-entering an equivalent mode object (a new
-# instance of the same class) around .backward() or in context_fn is fine.
+class ModeStack(tuple):
+    """The user modes' classes, innermost last, holding the mode objects and their replay records.
+
+    Compared (and shown) by class: re-entering an equivalent mode object (a
+    new instance of the same class) around .backward() or in context_fn is
+    fine.  ``instances``: the mode objects; ``records``: for each, what
+    fallback puts back to recompute under it (:func:`mode_record`), or None
+    where its class is not marked with :func:`ckpt_guard.replayable_mode`.
+    """
+
+    instances: tuple
+    records: tuple
+
+    # A replayable mode also differs when another object of its class stands in
+    # for it or its state moved on (the recompute would run under other state).
+    def __eq__(self, other: object) -> bool:
+        return tuple.__eq__(self, other) is True and not (
+            _replayable_state_moved(self, other)
+            or (isinstance(other, ModeStack) and _replayable_state_moved(other, self))
+        )
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+
+def _replayable_state_moved(was: "ModeStack", now: object) -> bool:
+    others = getattr(now, "instances", ())
+    return any(
+        record is not None and (i >= len(others) or others[i] is not mode or _mode_moved(record))
+        for i, (mode, record) in enumerate(zip(was.instances, was.records))
+    )
+
+
+def _user_modes(stack: list) -> tuple:
+    modes = [m for m in stack if is_user_mode(m)]
+    if not modes:
+        return ()
+    found = ModeStack(type(m) for m in modes)
+    found.instances = tuple(modes)
+    found.records = tuple(mode_record(m) if is_replayable_mode(m) else None for m in modes)
+    return found
+
+
 def user_dispatch_modes() -> tuple[type, ...]:
     if not _len_dispatch_stack():
         return ()
-    return tuple(type(m) for m in _get_current_dispatch_mode_stack() if is_user_mode(m))
+    return _user_modes(_get_current_dispatch_mode_stack())
 
 
 def user_function_modes() -> tuple[type, ...]:
     if not _len_function_stack():
         return ()
-    return tuple(type(m) for m in _get_current_function_mode_stack() if is_user_mode(m))
+    return _user_modes(_get_current_function_mode_stack())
 
 
 user_dispatch_modes.active = _len_dispatch_stack  # type: ignore[attr-defined]
 user_function_modes.active = _len_function_stack  # type: ignore[attr-defined]
+user_dispatch_modes.describe_change = user_function_modes.describe_change = (  # type: ignore[attr-defined]
+    lambda was, now: describe_mode_change(was, now)
+)
 
 
 def describe_modes(modes: tuple[type, ...]) -> str:
@@ -873,7 +919,7 @@ def _step(path: str, key: object, kind: str) -> str:
     return f"{path}.{key}" if kind == "object" else f"{path}[{key!r}]"
 
 
-def contents_snapshot(roots: list, generators: Optional[list] = None) -> tuple:
+def contents_snapshot(roots: list, generators: Optional[list] = None, unrecorded: Optional[list] = None) -> tuple:
     """``((path, container, kind, shallow contents) | (path, tensor, "tensor", version), ...)``.
 
     Depth-first from each root, each container once, at most
@@ -881,13 +927,20 @@ def contents_snapshot(roots: list, generators: Optional[list] = None) -> tuple:
     and tensors per root.  ``path``: the root's label, then the way in
     (``its argument 2.layers[0]``).  A user ``torch.Generator`` met on the way
     is appended to ``generators`` as ``(path, generator)``, if given.
+    ``unrecorded``, if given, gets the path of each value whose state the
+    walk did not record (too deep, past the budget, or of a kind it does not
+    record, other than functions, classes and torch's operators).
     """
     entries: list = []
     seen: set = set()
     for label, root in roots:
         stack = [(root, 0, label)]
         budget = _CONTENTS_BUDGET
-        while stack and budget > 0:
+        while stack:
+            if budget <= 0:
+                if unrecorded is not None:
+                    unrecorded.append(stack[-1][2])
+                break
             value, depth, path = stack.pop()
             if type(value) in _SCALARS or id(value) in seen:
                 continue
@@ -910,6 +963,8 @@ def contents_snapshot(roots: list, generators: Optional[list] = None) -> tuple:
                 continue
             kind = _container_kind(value)
             if kind is None or depth >= _CONTENTS_DEPTH:
+                if unrecorded is not None and (kind is not None or not _stateless(value)):
+                    unrecorded.append(path)
                 continue
             seen.add(id(value))
             budget -= 1
@@ -921,6 +976,14 @@ def contents_snapshot(roots: list, generators: Optional[list] = None) -> tuple:
                 pairs = enumerate(contents) if kind == "list" else contents
                 stack.extend((item, depth + 1, _step(path, key, kind)) for key, item in reversed(list(pairs)))
     return tuple(entries)
+
+
+#: values a mode may hold whose own state cannot change what it computes (identity is recorded)
+_STATELESS = (types.FunctionType, types.BuiltinFunctionType, type, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def _stateless(value: object) -> bool:
+    return isinstance(value, _STATELESS) and not (type(value) is types.FunctionType and value.__closure__)
 
 
 _NO_ARGUMENT_STATE = ((), ())
@@ -1238,6 +1301,224 @@ def describe_generator_change(was: tuple, now: tuple) -> str:
 
 generator_states.describe_change = describe_generator_change  # type: ignore[attr-defined]
 generator_states.relevant = lambda function, was, now: bool(moved_generators(was))  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------
+# a user mode fallback re-enters for the recompute (CKG102/103)
+#
+# A mode the forward ran under and the recompute runs without makes the
+# recompute save other tensors.  Re-entering the forward's mode object is
+# right only if the mode computes the same thing the second time: it must
+# depend on nothing but its own attributes (a scale, a counter, a generator),
+# which fallback puts back to what the call found for the recompute and to
+# what they hold now after it.  The guard cannot see that a mode reads a
+# global or another object, so the user says it: ``ckpt_guard.replayable_mode``.
+
+#: the class attribute ``replayable_mode`` sets, holding the class itself (a subclass is not marked)
+REPLAYABLE_MODE_MARK = "__ckpt_guard_replayable_mode__"
+
+
+def mark_replayable_mode(cls: type) -> type:
+    """``ckpt_guard.replayable_mode``: mark a user mode class fallback may re-enter in the recompute."""
+    if not isinstance(cls, type) or not issubclass(cls, (TorchDispatchMode, TorchFunctionMode)):
+        raise TypeError(
+            f"ckpt_guard.replayable_mode({cls!r}): expected a TorchDispatchMode or TorchFunctionMode "
+            "subclass (the class, not an instance)"
+        )
+    setattr(cls, REPLAYABLE_MODE_MARK, cls)
+    return cls
+
+
+def is_replayable_mode(mode: object) -> bool:
+    cls = type(mode)
+    return cls.__dict__.get(REPLAYABLE_MODE_MARK) is cls
+
+
+#: a tensor a replayable mode holds is copied at each call (its value is what the recompute must
+#: see: a dispatch mode's in-place update moves no version counter); one larger than this makes
+#: the mode unrecordable (fallback then runs the block plainly)
+_MODE_TENSOR_LIMIT = 1 << 16
+
+
+#: what the base classes' __init__ and __enter__ keep on a mode: pushed and popped in pairs
+_MODE_BASE_ATTRIBUTES = (
+    "old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+    "old_without_ignore_compile_internals_dispatch_mode_flags", "old_dispatch_mode_flag",
+    "_dispatch_key", "_mode_key",
+)
+
+
+class ModeRecord(NamedTuple):
+    """What fallback needs to recompute under a replayable mode as the forward did."""
+
+    contents: tuple  # as CKG112 records a container: the mode object, what its attributes hold
+    copies: tuple  # ((tensor, its value at the call), ...) for the tensors that need no gradient
+    generators: tuple  # ((label, generator, state), ...)
+
+
+def mode_record(mode: object) -> Optional[ModeRecord]:
+    """A replayable mode's state as the call finds it, or None if it cannot be put back.
+
+    Its attributes and what they hold, four containers deep; a copy of each
+    tensor among them that needs no gradient (a scale, a history); the
+    state of each user generator among them.  None where some of its state
+    could not be put back: no ``__dict__``, a container too long or too deep
+    to keep, a tensor too large to copy, a value of a kind the walk does not
+    record (a deque, a module, a lock, a bound method, another library's
+    object; functions without a closure, classes and torch's operators are
+    fine).  Fallback then runs the block plainly.
+    """
+    if _object_state(mode) is None:
+        return None
+    label = type(mode).__name__
+    own = _shallow(mode, "object")
+    if _is_long(own):
+        return None
+    entries: list = [(label, mode, "object", own)]
+    roots, found = [], []
+    attributes = [(f"{label}.{name}", value) for name, value in own if name not in _MODE_BASE_ATTRIBUTES]
+    budget = _CONTENTS_BUDGET
+    while attributes:  # tensors among its attributes, in tuples too (the walk below records deeper ones)
+        budget -= 1
+        if budget < 0:
+            return None  # more than the walk keeps: not all of its state could be put back
+        path, value = attributes.pop()
+        if isinstance(value, Tensor):
+            entries.append((path, value, "tensor", _version_of(value)))
+        elif type(value) is tuple:
+            attributes += [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+        elif type(value) not in _ATOMS:
+            roots.append((path, value))
+    unrecorded: list = []
+    entries += contents_snapshot(roots, found, unrecorded) if roots else ()
+    if unrecorded:
+        return None  # state the replay could not put back: a deque, a module, another library's object
+    copies = []
+    for _, value, kind, recorded in entries:
+        if kind != "tensor" and _is_long(recorded):
+            return None
+        if kind == "tensor" and not requires_grad_anywhere(value):
+            if is_functorch_wrapped_tensor(value) or value.numel() > _MODE_TENSOR_LIMIT:
+                return None
+            copies.append((value, value.detach().clone()))
+    return ModeRecord(tuple(entries), tuple(copies), _generator_states(found))
+
+
+def _mode_moved(record: ModeRecord) -> bool:
+    """Whether a replayable mode's state changed since ``record`` in a way its results can depend on."""
+    return (
+        bool(changed_contents(record.contents))
+        or bool(moved_generators(record.generators))
+        or any(not torch.equal(tensor, value) for tensor, value in record.copies)
+    )
+
+
+def modes_to_replay(was: object, now: object) -> Optional[tuple]:
+    """``(pushed, restated)``: how fallback makes the recompute's modes the forward's; None if it cannot.
+
+    ``pushed``: the forward's modes the recompute runs without, each
+    ``(mode, record)``; ``restated``: its replayable modes the recompute runs
+    under too (the same objects), whose state is put back.  Only when the
+    recompute runs under a prefix of the forward's stack (by class), every
+    missing mode is replayable, and each replayable mode still on the stack
+    is the forward's own object.
+    """
+    instances, records = getattr(was, "instances", ()), getattr(was, "records", ())
+    others = getattr(now, "instances", ())
+    if not instances or len(now) > len(was) or tuple(was[: len(now)]) != tuple(now):  # type: ignore[arg-type]
+        return None
+    pushed = list(zip(instances[len(now):], records[len(now):]))
+    if any(record is None for _, record in pushed):
+        return None
+    restated = []
+    for mode, record, other in zip(instances, records, others):
+        if record is not None:
+            if other is not mode:
+                return None  # another object of its class: its state is not the forward's
+            restated.append((mode, record))
+    if not pushed and not restated:
+        return None
+    return pushed, restated
+
+
+def mode_state_kept(replay: tuple) -> bool:
+    """Whether no tensor a mode holds that needs a gradient was updated in place since the call.
+
+    The recompute must use that very tensor (its gradient flows to it), so no
+    copy can stand in for its old value.
+    """
+    return not any(
+        kind == "tensor" and requires_grad_anywhere(value) and _version_of(value) != version
+        for modes in replay for _, record in modes for _, value, kind, version in record.contents
+    )
+
+
+def describe_mode_change(was: object, now: object) -> str:
+    """CKG102/103's change line: the modes missing, or the replayable mode whose state moved."""
+    parts = [f"{describe_modes(was)} → {describe_modes(now)}"] if tuple.__ne__(was, now) else []  # type: ignore[arg-type]
+    others = getattr(now, "instances", ())
+    for i, (mode, record) in enumerate(zip(getattr(was, "instances", ()), getattr(was, "records", ()))):
+        if record is None or i >= len(others):
+            continue
+        name = type(mode).__name__
+        if others[i] is not mode:
+            parts.append(f"another {name} object than the forward's is active at the recompute")
+        elif _mode_moved(record):
+            what = [describe_contents_change(record.contents)] if changed_contents(record.contents) else []
+            what += ["a tensor it holds changed"] if any(not torch.equal(t, v) for t, v in record.copies) else []
+            what += ["its generator moved on"] if moved_generators(record.generators) else []
+            parts.append(f"the {name} mode's state changed since the forward: " + "; ".join(what))
+    return "; ".join(parts) or "the user modes changed"
+
+
+def _with_copies(entries: tuple, copies: dict) -> list:
+    """``entries`` with each copied tensor, wherever it is held (in tuples too), replaced by its copy."""
+
+    def copied(item: object) -> object:
+        if type(item) is tuple:
+            return tuple(copied(x) for x in item)
+        return copies.get(id(item), item) if isinstance(item, Tensor) else item
+
+    replaced = []
+    for path, value, kind, recorded in entries:
+        if kind == "tensor":
+            continue
+        if copies:
+            if kind == "list":
+                recorded = tuple(copied(item) for item in recorded)
+            else:
+                recorded = tuple((key, copied(item)) for key, item in recorded)
+        replaced.append((path, value, kind, recorded))
+    return replaced
+
+
+@contextlib.contextmanager
+def replaying_modes(replay: tuple, dispatch: bool) -> Iterator[None]:
+    """The forward's modes for the recompute: each one's state as the call found it, the missing ones
+    pushed back (innermost last); their current state after.
+
+    A tensor the mode holds is replaced by a fresh copy of its value at the
+    call (the recompute may update it in place; the user's tensor is never
+    written).  Pushed by the base class's ``__enter__``: the mode's own
+    ``__enter__`` and ``__exit__`` (a report printed at exit, a counter reset)
+    run once, as without checkpointing.
+    """
+    pushed, restated = replay
+    records = [record for _, record in (*pushed, *restated)]
+    copies = {id(tensor): value.clone() for record in records for tensor, value in record.copies}
+    contents = [entry for record in records for entry in _with_copies(record.contents, copies)]
+    generators = [(g, state) for record in records for _, g, state in record.generators]
+    base = TorchDispatchMode if dispatch else TorchFunctionMode
+    with replaying_contents(contents), replaying_generators(generators):
+        entered: list = []
+        try:
+            for mode, _ in pushed:
+                base.__enter__(mode)
+                entered.append(mode)
+            yield
+        finally:
+            for mode in reversed(entered):
+                base.__exit__(mode, None, None, None)
 
 
 # --------------------------------------------------------------------------

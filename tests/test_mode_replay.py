@@ -1,0 +1,412 @@
+"""CKG102/103 under fallback: a user mode marked ``@ckpt_guard.replayable_mode`` is re-entered.
+
+torch's recompute runs under the modes active at the backward, not the
+forward's: silently wrong gradients.  Fallback runs a block under an unmarked
+mode plainly (whatever state the mode carries, that is right); under a mode
+whose class is marked replayable it checkpoints, and recomputes under the
+forward's own mode object with its attributes and generator as the forward
+found them, then puts its state back.  Every case is run three ways
+(uncheckpointed, raw torch, guarded) and compared by value, the mode's final
+state included.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import assert_all_close
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+
+pytestmark = pytest.mark.usefixtures("guard")
+
+
+class CountingScale(TorchDispatchMode):
+    """Multiplies each sin by how many sins it has seen, plus noise from its own generator:
+    state a second run of the block would change, which replay must put back."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+        self.generator = torch.Generator().manual_seed(3)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.seen += 1
+            out = out * self.seen + 0.1 * torch.randn(out.shape, generator=self.generator)
+        return out
+
+
+ReplayableScale = ckpt_guard.replayable_mode(type("ReplayableScale", (CountingScale,), {}))
+
+
+@ckpt_guard.replayable_mode
+class ReplayableFunctionScale(TorchFunctionMode):
+    """The function-mode twin: scales each torch.sin by a per-call counter (Tensor.backward pops it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.sin:
+            self.seen += 1
+            out = out * (self.seen + 1)
+        return out
+
+
+def block(t, w):
+    return torch.sin(torch.sin(t) * w)
+
+
+def _step(mode_class, how, use_reentrant=False, backward_inside=False, **options):
+    """One training step under a fresh mode; returns values to compare (the mode's final state too)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    mode = mode_class()
+    with mode:
+        if how == "plain":
+            y = block(x, w)
+        else:
+            y = checkpoint(block, x, w, use_reentrant=use_reentrant, **options)
+        if backward_inside:
+            y.sum().backward()
+    if not backward_inside:
+        y.sum().backward()
+    state = [torch.tensor(float(mode.seen))]
+    if hasattr(mode, "generator"):
+        state.append(torch.rand(2, generator=mode.generator))  # the program's next draw
+    return [y.detach(), x.grad, w.grad, *state]
+
+
+def _raw(*args, **kwargs):
+    ckpt_guard.uninstall()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _step(*args, **kwargs)
+    finally:
+        ckpt_guard.install("strict")
+
+
+def _fallback(*args, **kwargs):
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        result = _step(*args, **kwargs)
+    return result, [(event.rule_id, event.action) for event in events]
+
+
+CASES = [
+    pytest.param(mode, inside, ur, id=f"{mode.__name__}-{'inside' if inside else 'outside'}-{'R' if ur else 'NR'}")
+    for mode, inside in ((ReplayableScale, False), (ReplayableScale, True), (ReplayableFunctionScale, True))
+    for ur in (True, False)
+]
+
+
+@pytest.mark.parametrize("mode_class, backward_inside, use_reentrant", CASES)
+def test_a_replayable_mode_is_re_entered_and_the_memory_saving_kept(mode_class, backward_inside, use_reentrant):
+    reference = _step(mode_class, "plain", backward_inside=backward_inside)
+    raw = _raw(mode_class, "checkpoint", use_reentrant, backward_inside)
+    assert not torch.equal(raw[2], reference[2])  # torch: the recompute runs under other state
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError) as info:
+        _step(mode_class, "checkpoint", use_reentrant, backward_inside)
+    assert info.value.rule.id == ("CKG102" if issubclass(mode_class, TorchDispatchMode) else "CKG103")
+    repaired, events = _fallback(mode_class, "checkpoint", use_reentrant, backward_inside)
+    assert_all_close(repaired, reference)  # the gradients, the counter, the generator's next draw
+    assert [action for _, action in events] == ["fallback: repaired"]  # checkpointed and recomputed
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_an_unmarked_mode_still_runs_the_block_plainly(use_reentrant):
+    reference = _step(CountingScale, "plain")
+    repaired, events = _fallback(CountingScale, "checkpoint", use_reentrant)
+    assert_all_close(repaired, reference)
+    assert events == [("CKG102", "fallback: no checkpoint")]
+
+
+def test_a_subclass_of_a_marked_mode_is_not_marked():
+    """It may read what its parent does not: the user marks it."""
+    Sub = type("Sub", (ReplayableScale,), {})
+    reference = _step(Sub, "plain")
+    repaired, events = _fallback(Sub, "checkpoint")
+    assert_all_close(repaired, reference)
+    assert events == [("CKG102", "fallback: no checkpoint")]
+
+
+def test_a_user_context_fn_keeps_the_plain_run():
+    """A context_fn manages the recompute's modes itself: fallback does not add the forward's."""
+    import contextlib
+
+    context_fn = lambda: (contextlib.nullcontext(), contextlib.nullcontext())  # noqa: E731
+    reference = _step(ReplayableScale, "plain")
+    repaired, events = _fallback(ReplayableScale, "checkpoint", context_fn=context_fn)
+    assert_all_close(repaired, reference)
+    assert events == [("CKG102", "fallback: no checkpoint")]
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_another_object_of_a_marked_class_at_the_backward_is_raised_not_replayed(use_reentrant):
+    """Found by the review that reverted the first replay: an equivalent mode object around the
+    backward.  For a marked class its state is not the forward's: raised, under fallback too."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    for policy in ("strict", "fallback"):
+        with ckpt_guard.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointCompositionWarning)
+            with ReplayableScale():
+                y = checkpoint(block, x, w, use_reentrant=use_reentrant)
+            with ReplayableScale(), pytest.raises(CheckpointCompositionError) as info:
+                y.sum().backward()
+        assert info.value.rule.id == "CKG102"
+        assert "another ReplayableScale object" in str(info.value)
+
+
+@ckpt_guard.replayable_mode
+class ScaleInATensor(TorchDispatchMode):
+    """Keeps its scale in a tensor it updates in place (an FP8 amax history's way), inside
+    __torch_dispatch__, where no version counter moves; and another in a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.ones(())
+        self.history = (torch.zeros(2),)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.scale.add_(1)
+            self.history[0].add_(0.5)
+            out = out * self.scale + self.history[0].sum()
+        return out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_tensor_a_marked_mode_updates_in_place_is_replayed_from_a_copy(use_reentrant):
+    def step(how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        mode = ScaleInATensor()
+        with mode:
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
+        y.sum().backward()
+        return [y.detach(), x.grad, w.grad, mode.scale, mode.history[0]]
+
+    reference = step("plain")
+    raw = _raw_step(lambda: step("checkpoint"))
+    assert not torch.equal(raw[2], reference[2])
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        repaired = step("checkpoint")
+    assert_all_close(repaired, reference)  # the user's tensors hold what the forward left, not more
+    assert [event.action for event in events] == ["fallback: repaired"]
+
+
+@ckpt_guard.replayable_mode
+class LearnedScale(TorchFunctionMode):
+    """Multiplies each torch.sin by a tensor that needs a gradient: the recompute must use that
+    very tensor, so an in-place update of it cannot be replayed."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * self.scale if func is torch.sin else out
+
+
+def test_a_mode_tensor_that_needs_a_gradient_flows_and_an_update_of_it_is_raised():
+    def step(how, update=False):
+        torch.manual_seed(0)
+        scale = torch.tensor(1.5, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with LearnedScale(scale):
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=False)
+            if update:
+                with torch.no_grad():
+                    scale.add_(1)
+            y.sum().backward()
+        return [x.grad, w.grad, scale.grad]
+
+    reference = step("plain")
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        assert_all_close(step("checkpoint"), reference)  # the scale's gradient included
+        with pytest.raises(CheckpointCompositionError, match=r"\[CKG103\]"):
+            step("checkpoint", update=True)
+
+
+def test_a_marked_mode_without_drift_is_bitwise_torch():
+    """A marked mode around the whole step whose state does not change: no rule fires, torch's result."""
+
+    @ckpt_guard.replayable_mode
+    class Quiet(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def step():
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with Quiet():
+            checkpoint(block, x, w, use_reentrant=False).sum().backward()
+        return [x.grad, w.grad]
+
+    raw = _raw_step(step)
+    for policy in ("strict", "warn", "fallback"):
+        with ckpt_guard.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            result = step()
+        for a, b in zip(result, raw):
+            assert torch.equal(a, b)
+
+
+def _raw_step(step):
+    ckpt_guard.uninstall()
+    try:
+        return step()
+    finally:
+        ckpt_guard.install("strict")
+
+
+def test_the_users_exception_in_a_replayed_mode_passes_through_and_the_state_is_put_back():
+    @ckpt_guard.replayable_mode
+    class FailsSecondTime(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.armed = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.sin.default and self.armed:
+                raise KeyError("the user's own")
+            return func(*args, **(kwargs or {}))
+
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    mode = FailsSecondTime()
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        with mode:
+            y = checkpoint(block, x, w, use_reentrant=False)
+        mode.armed = True  # changed after the forward: the replay puts False back for the recompute
+        y.sum().backward()
+    assert mode.armed is True  # and the current state back after it
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+@pytest.mark.parametrize("bad", [42, TorchDispatchMode(), int])
+def test_replayable_mode_names_a_bad_value(bad):
+    with pytest.raises(TypeError, match=r"replayable_mode\(.*\): expected a TorchDispatchMode or TorchFunctionMode"):
+        ckpt_guard.replayable_mode(bad)
+
+
+class _Deep:
+    def __init__(self, depth):
+        self.inner = _Deep(depth - 1) if depth else None
+        self.counter = 0
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        pytest.param(lambda: __import__("collections").deque([1.0]), id="a deque"),
+        pytest.param(lambda: torch.nn.Linear(2, 2), id="a module"),
+        pytest.param(lambda: __import__("threading").Lock(), id="a lock"),
+        pytest.param(lambda: _Deep(6), id="an object six deep"),
+        pytest.param(lambda: list(range(1000)), id="a long list"),
+        pytest.param(lambda: torch.zeros(1 << 17), id="a large tensor"),
+    ],
+)
+def test_a_marked_mode_holding_state_the_replay_cannot_keep_runs_the_block_plainly(held):
+    """Its whole state could not be put back for the recompute: not checkpointed, as an unmarked one."""
+
+    @ckpt_guard.replayable_mode
+    class Holding(CountingScale):
+        def __init__(self):
+            super().__init__()
+            self.held = held()
+
+    reference = _step(Holding, "plain")
+    repaired, events = _fallback(Holding, "checkpoint")
+    assert_all_close(repaired, reference)
+    assert events == [("CKG102", "fallback: no checkpoint")]
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        pytest.param(lambda: torch.sin, id="a function"),
+        pytest.param(lambda: torch.ops.aten.sin.default, id="an operator"),
+        pytest.param(lambda: {"log": [1, 2], "scale": (torch.ones(2), 2.0)}, id="a dict of a list and a tuple"),
+        pytest.param(lambda: _Deep(2), id="an object three deep"),
+    ],
+)
+def test_a_marked_mode_holding_state_the_replay_keeps_is_checkpointed(held):
+    @ckpt_guard.replayable_mode
+    class Holding(CountingScale):
+        def __init__(self):
+            super().__init__()
+            self.held = held()
+
+    reference = _step(Holding, "plain")
+    repaired, events = _fallback(Holding, "checkpoint")
+    assert_all_close(repaired, reference)
+    assert events == [("CKG102", "fallback: repaired")]
+
+
+class _Stats:
+    def __init__(self):
+        self.count = 0
+
+
+@ckpt_guard.replayable_mode
+class NestedCounter(TorchDispatchMode):
+    """Its scale is a counter inside an object inside a dict it holds: replayed from the call's values."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+        self.config = {"stats": _Stats(), "seen": []}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            stats = self.config["stats"]
+            stats.count += 1
+            self.config["seen"].append(stats.count)
+            out = out * stats.count
+        return out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_nested_state_of_a_marked_mode_is_replayed_and_put_back(use_reentrant):
+    def step(how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        mode = NestedCounter()
+        with mode:  # the backward inside it: torch recomputes under the counter the forward moved on
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
+            y.sum().backward()
+        return [x.grad, w.grad, torch.tensor(mode.config["seen"], dtype=torch.float)]
+
+    reference = step("plain")
+    raw = _raw_step(lambda: step("checkpoint"))
+    assert not torch.equal(raw[1], reference[1])
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        repaired = step("checkpoint")
+    assert_all_close(repaired, reference)  # the log holds the forward's two entries, not four
+    assert [event.action for event in events] == ["fallback: repaired"]
