@@ -606,9 +606,9 @@ def _probe_dispatch_mode(ckpt, use_reentrant):
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from . import _state
+    import ckpt_guard
 
-    @_state.mark_replayable_mode
+    @ckpt_guard.replayable_mode
     class DoubleSin(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -631,9 +631,9 @@ def _probe_function_mode(ckpt, use_reentrant):
     import torch
     from torch.overrides import TorchFunctionMode
 
-    from . import _state
+    import ckpt_guard
 
-    @_state.mark_replayable_mode
+    @ckpt_guard.replayable_mode
     class DoubleSin(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
