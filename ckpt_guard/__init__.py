@@ -145,14 +145,16 @@ def replayable_mode(cls: type) -> type:
     """Mark a ``TorchDispatchMode`` / ``TorchFunctionMode`` class as safe for fallback to re-enter in a recompute.
 
     Use as a class decorator.  It says: what this mode computes depends on
-    nothing but its own attributes (numbers, flags, containers, its own
-    ``torch.Generator``), not on a global or another object.  Under policy
-    ``fallback`` a checkpointed block that runs under such a mode is then
-    checkpointed (its memory saving kept) instead of run plainly: the
-    recompute runs under the forward's mode object with its attributes as the
-    forward found them, pushed back by the base class (the mode's own
-    ``__enter__``/``__exit__`` do not run again), and its state is put back
-    after.  Subclasses are not marked.  Returns ``cls``.
+    nothing but its own instance attributes (numbers, flags, containers,
+    tensors, its own ``torch.Generator``), not on a global, a class attribute
+    or another object.  Under policy ``fallback`` a checkpointed block that
+    runs under such modes is then checkpointed (its memory saving kept)
+    instead of run plainly: the recompute runs under the forward's mode
+    objects alone, with their attributes as the forward found them (pushed by
+    the base class: the mode's own ``__enter__``/``__exit__`` do not run
+    again), and their current state is put back after.  State the guard
+    cannot record keeps the plain run (docs/limits.md lists it).  Subclasses
+    are not marked.  Returns ``cls``; a non-mode class is a ``TypeError``.
     """
     from . import _state
 

@@ -989,7 +989,7 @@ def report_drift(
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]
         policy = config.policy_for(rule.id)
-        replay = _replay(rule, was, now, function, modes_managed) if policy == "fallback" else None
+        replay = _replay(rule, was, now, function, modes_managed, reentrant) if policy == "fallback" else None
         _report_at_recompute(
             rule, policy, forward_site_text,
             repaired=replay[1] if replay else "",
@@ -1020,17 +1020,26 @@ _differs = _state.differs
 # fallback's replays: the recompute sees what the forward saw
 
 
-def _replay(rule: Rule, was: Any, now: Any, function: Any, modes_managed: bool = False) -> Optional[tuple]:
+def _replay(
+    rule: Rule, was: Any, now: Any, function: Any, modes_managed: bool = False, reentrant: bool = False,
+) -> Optional[tuple]:
     """``(context manager, what fallback did)`` for a drift fallback can undo, or None."""
     if rule.read in ("user_dispatch_modes", "user_function_modes"):
-        replay = None if modes_managed else _state.modes_to_replay(was, now)
+        dispatch = rule.read == "user_dispatch_modes"
+        replayable = not modes_managed and (reentrant or _state.QUIET_RECOMPUTE_HOOKS)
+        replay = _state.modes_to_replay(was, now, dispatch) if replayable else None
         if replay is None or not _state.mode_state_kept(replay):
-            return None  # other modes, another object of a replayable class, a tensor it holds updated
-        names = ", ".join(type(mode).__name__ for mode, _ in (*replay[0], *replay[1]))
-        return _state.replaying_modes(replay, rule.read == "user_dispatch_modes"), (
+            return None  # torch's mode above a user mode, a gradient-carrying tensor it holds updated
+        popped, pushed, restated = replay
+        names = ", ".join(type(mode).__name__ for mode, _ in (*restated, *pushed))
+        off = (
+            f"; {', '.join(type(mode).__name__ for mode in popped)} (not the forward's) taken off for it"
+            if popped else ""
+        )
+        return _state.replaying_modes(replay, dispatch, inside_hooks=not reentrant), (
             f"recomputing under the forward's own mode objects ({names}, marked with "
-            "ckpt_guard.replayable_mode), their attributes as the forward found them, missing ones pushed "
-            "back for this recompute; their state is put back after (policy fallback)"
+            f"ckpt_guard.replayable_mode) with their attributes as the forward found them{off}; their "
+            "state is put back after (policy fallback)"
         )
     if rule.read == "default_dtype":
         return _composable.default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
@@ -1118,6 +1127,11 @@ def _forward_bindings(changes: list) -> Any:
 
 def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
     """What torch really does in this very case, where the rule's general words would not say it."""
+    if rule.read in ("user_dispatch_modes", "user_function_modes") and _state.only_state_moved(was, now):
+        return (
+            "returns silently wrong gradients: the recompute runs under the forward's mode object, but "
+            "with the state it has now (the forward moved it on), so it computes other values"
+        )
     if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was) and not any(
         name == "jvp" for name, _ in now
     ):
@@ -1131,6 +1145,16 @@ def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
 
 def _case_remedy(rule: Rule, was: Any, now: Any) -> str:
     """A remedy that fits this very case, where the rule's general one would not."""
+    if rule.read in ("user_dispatch_modes", "user_function_modes") and any(
+        record is not None for record in getattr(was, "records", ())
+    ):
+        rule_id = rule.id
+        return (
+            "the mode is marked @ckpt_guard.replayable_mode, so policy fallback for this rule "
+            f"(ckpt_guard.install(..., rules={{'{rule_id}': 'fallback'}})) recomputes under the "
+            "forward's mode object with the state it had then; or keep the mode out of the "
+            "checkpointed region"
+        )
     if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was):
         return (
             "checkpoint these blocks with ckpt_guard.checkpoint (or run under policy fallback): its "
@@ -1184,13 +1208,18 @@ def _report_at_recompute(
     raise CheckpointCompositionError(message, rule)
 
 
-def _anticipated_rule(config: _config.Config, forward_state: tuple, modes_managed: bool = False) -> Optional[Rule]:
+def _anticipated_rule(
+    config: _config.Config, forward_state: tuple, modes_managed: bool = False, reentrant: Optional[bool] = None,
+) -> Optional[Rule]:
     """The drift rule under fallback whose risk is visible in this forward state, or None.
 
     User modes that are all marked replayable (and recorded) are not a risk
     here: the recompute re-enters them (:func:`_replay`), unless a user
-    ``context_fn`` manages the recompute's modes.
+    ``context_fn`` manages the recompute's modes, or the call is
+    non-reentrant on a torch whose recompute hooks cannot be hidden from
+    them (2.4-2.7).  ``reentrant`` None: not known (taken as non-reentrant).
     """
+    modes_replayable = not modes_managed and (bool(reentrant) or _state.QUIET_RECOMPUTE_HOOKS)
     if not risk_visible(forward_state):
         return None
     for index in _ANTICIPATED_INDICES:
@@ -1198,7 +1227,7 @@ def _anticipated_rule(config: _config.Config, forward_state: tuple, modes_manage
             forward_state[index]
             and _DRIFT_HOLDS[index]
             and config.policy_for(DRIFT_RULES[index].id) == "fallback"
-            and (index not in _MODE_INDICES or modes_managed or not _replayable(forward_state[index]))
+            and (index not in _MODE_INDICES or not modes_replayable or not _replayable(forward_state[index]))
         ):
             return DRIFT_RULES[index]
     return None
@@ -1219,7 +1248,7 @@ def anticipate(
     then): the recompute could run after it ended, and then nothing could
     repair the gradients.
     """
-    rule = _anticipated_rule(config, forward_state, modes_managed)
+    rule = _anticipated_rule(config, forward_state, modes_managed, reentrant)
     if rule is None:
         return PROCEED
     site_frame, _ = user_frame(sys._getframe(1))

@@ -833,11 +833,12 @@ _DRIFT_FALLBACK = (
 _MODE_FALLBACK = (
     "acts whenever a user mode is active at the call: runs the block without checkpointing "
     "(correct whatever state the mode carries; that block's memory saving is lost), unless every "
-    "such mode's class is marked with @ckpt_guard.replayable_mode: then it checkpoints, and the "
-    "recompute runs under the forward's own mode objects with their attributes (and generators) as "
-    "the forward found them, put back after; a mode first seen missing at the recompute, another "
-    "object of a marked class, or a tensor a marked mode holds updated in place is raised as under "
-    "strict"
+    "such mode's class is marked with @ckpt_guard.replayable_mode and its state can be recorded: "
+    "then it checkpoints, and the recompute runs under the forward's own mode objects alone (other "
+    "user modes taken off for it), with their attributes, tensors and generators as the forward "
+    "found them, put back after (a non-reentrant call needs torch >= 2.8 for this); a mode first "
+    "seen missing at the recompute, or a tensor needing a gradient that a marked mode holds, "
+    "updated in place, is raised as under strict"
 )
 
 _DRIFT_RULES = [
@@ -879,14 +880,14 @@ _DRIFT_RULES = [
     ),
     Rule(
         id="CKG102",
-        title="user dispatch mode active in the forward, missing at recompute",
+        title="user dispatch mode of the forward missing (or not as it was) at recompute",
         stage="recompute",
         variants=(REENTRANT, NON_REENTRANT),
         trigger=(
             "a user TorchDispatchMode was active when checkpoint ran the forward, and the recompute "
             "runs without it or under a different dispatch-mode stack (torch's own modes are ignored); "
             "for a mode marked @ckpt_guard.replayable_mode, also under another object of its class "
-            "or with its attributes changed since the forward"
+            "or with its state changed since the forward (a .backward() run inside it)"
         ),
         symptom=(
             "returns silently wrong gradients: the recompute runs without the mode, so the tensors "
@@ -910,7 +911,7 @@ _DRIFT_RULES = [
     ),
     Rule(
         id="CKG103",
-        title="user function mode active in the forward, missing at recompute",
+        title="user function mode of the forward missing (or not as it was) at recompute",
         stage="recompute",
         variants=(REENTRANT, NON_REENTRANT),
         trigger=(

@@ -983,7 +983,18 @@ _STATELESS = (types.FunctionType, types.BuiltinFunctionType, type, torch._ops.Op
 
 
 def _stateless(value: object) -> bool:
-    return isinstance(value, _STATELESS) and not (type(value) is types.FunctionType and value.__closure__)
+    """A function without closure, mutable defaults or attributes of its own, a class, an operator."""
+    if type(value) is types.FunctionType:
+        return not value.__closure__ and not value.__dict__ and all(
+            _immutable(d) for d in (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+        )
+    return isinstance(value, _STATELESS)
+
+
+def _immutable(value: object) -> bool:
+    if type(value) in (tuple, frozenset):
+        return all(_immutable(item) for item in value)  # type: ignore[attr-defined]
+    return type(value) in _SCALARS
 
 
 _NO_ARGUMENT_STATE = ((), ())
@@ -1334,18 +1345,18 @@ def is_replayable_mode(mode: object) -> bool:
     return cls.__dict__.get(REPLAYABLE_MODE_MARK) is cls
 
 
-#: a tensor a replayable mode holds is copied at each call (its value is what the recompute must
-#: see: a dispatch mode's in-place update moves no version counter); one larger than this makes
-#: the mode unrecordable (fallback then runs the block plainly)
-_MODE_TENSOR_LIMIT = 1 << 16
+#: the tensors a replayable mode holds that need no gradient are copied at each call (their value
+#: is what the recompute must see: a dispatch mode's in-place update moves no version counter);
+#: more bytes than this make the mode unrecordable (fallback then runs the block plainly)
+_MODE_COPY_LIMIT = 1 << 20
 
 
 #: what the base classes' __init__ and __enter__ keep on a mode: pushed and popped in pairs
-_MODE_BASE_ATTRIBUTES = (
+_MODE_BASE_ATTRIBUTES = frozenset({
     "old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
     "old_without_ignore_compile_internals_dispatch_mode_flags", "old_dispatch_mode_flag",
     "_dispatch_key", "_mode_key",
-)
+})
 
 
 class ModeRecord(NamedTuple):
@@ -1356,21 +1367,27 @@ class ModeRecord(NamedTuple):
     generators: tuple  # ((label, generator, state), ...)
 
 
+@contextlib.contextmanager
+def _user_modes_off() -> Iterator[None]:
+    """The guard's own tensor work (copies, comparisons) unseen by the user's modes."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        yield
+
+
 def mode_record(mode: object) -> Optional[ModeRecord]:
     """A replayable mode's state as the call finds it, or None if it cannot be put back.
 
-    Its attributes and what they hold, four containers deep; a copy of each
-    tensor among them that needs no gradient (a scale, a history); the
-    state of each user generator among them.  None where some of its state
-    could not be put back: no ``__dict__``, a container too long or too deep
-    to keep, a tensor too large to copy, a value of a kind the walk does not
-    record (a deque, a module, a lock, a bound method, another library's
-    object; functions without a closure, classes and torch's operators are
-    fine).  Fallback then runs the block plainly.
+    Its instance attributes and what they hold, four containers deep; a copy
+    of each tensor among them that needs no gradient (a scale, a history);
+    the state of each user generator among them.  None where some of its
+    state could not be put back, or might live elsewhere: fallback then runs
+    the block plainly.  See :func:`_unrecordable_class` and :func:`_stateless`
+    for what counts.
     """
-    if _object_state(mode) is None:
+    cls = type(mode)
+    if _object_state(mode) is None or _unrecordable_class(cls):
         return None
-    label = type(mode).__name__
+    label = cls.__name__
     own = _shallow(mode, "object")
     if _is_long(own):
         return None
@@ -1391,17 +1408,70 @@ def mode_record(mode: object) -> Optional[ModeRecord]:
             roots.append((path, value))
     unrecorded: list = []
     entries += contents_snapshot(roots, found, unrecorded) if roots else ()
-    if unrecorded:
+    if unrecorded or any(kind != "tensor" and _is_long(recorded) for _, _, kind, recorded in entries):
         return None  # state the replay could not put back: a deque, a module, another library's object
-    copies = []
-    for _, value, kind, recorded in entries:
-        if kind != "tensor" and _is_long(recorded):
-            return None
-        if kind == "tensor" and not requires_grad_anywhere(value):
-            if is_functorch_wrapped_tensor(value) or value.numel() > _MODE_TENSOR_LIMIT:
+    tensors = [value for _, value, kind, _ in entries if kind == "tensor"]
+    copies = _copies(tensors, dispatch=isinstance(mode, TorchDispatchMode))
+    if copies is None:
+        return None
+    return ModeRecord(tuple(entries), copies, _generator_states(found))
+
+
+def _unrecordable_class(cls: type) -> bool:
+    """Whether a mode class may keep state outside its instance ``__dict__``: slots, or a container
+    (list, dict, set, tensor, object) held by the class itself, shared by its instances."""
+    for klass in cls.__mro__:
+        if klass in (TorchDispatchMode, TorchFunctionMode, object):
+            break
+        if "__slots__" in vars(klass):
+            return True
+        for name, value in vars(klass).items():
+            if name.startswith("__") or _immutable(value):
+                continue
+            if isinstance(value, (staticmethod, classmethod, property)) or _stateless(value):
+                continue
+            return True
+    return False
+
+
+def _copies(tensors: list, dispatch: bool) -> Optional[tuple]:
+    """``((tensor, copy), ...)`` for the tensors that need no gradient; None if they cannot be kept.
+
+    A tensor that needs a gradient is not copied (the recompute must use that
+    very tensor), and a dispatch mode may not hold one: an update inside
+    ``__torch_dispatch__`` moves no version counter, so it could not be seen.
+    Only plain dense tensors are copied, none sharing memory with another
+    (a view's copy would not follow its base), within ``_MODE_COPY_LIMIT``.
+    """
+    copies, storages, size = [], set(), 0
+    with _user_modes_off():
+        for tensor in tensors:
+            if requires_grad_anywhere(tensor):
+                if dispatch:
+                    return None
+                continue
+            if (
+                type(tensor) not in (Tensor, torch.nn.Parameter) or is_functorch_wrapped_tensor(tensor)
+                or tensor.layout is not torch.strided or tensor.is_meta
+            ):
                 return None
-            copies.append((value, value.detach().clone()))
-    return ModeRecord(tuple(entries), tuple(copies), _generator_states(found))
+            storage = tensor.untyped_storage().data_ptr()
+            size += tensor.numel() * tensor.element_size()
+            if storage in storages or size > _MODE_COPY_LIMIT:
+                return None
+            storages.add(storage)
+            copies.append((tensor, tensor.detach().clone()))
+    return tuple(copies)
+
+
+def _same_bits(tensor: Tensor, copy: Tensor) -> bool:
+    """Bitwise equal (NaN where NaN), unseen by the user's modes."""
+    with _user_modes_off():
+        if tensor.shape != copy.shape or tensor.dtype != copy.dtype:
+            return False
+        if tensor.numel() == 0:
+            return True
+        return torch.equal(tensor.detach().reshape(-1).view(torch.uint8), copy.reshape(-1).view(torch.uint8))
 
 
 def _mode_moved(record: ModeRecord) -> bool:
@@ -1409,52 +1479,60 @@ def _mode_moved(record: ModeRecord) -> bool:
     return (
         bool(changed_contents(record.contents))
         or bool(moved_generators(record.generators))
-        or any(not torch.equal(tensor, value) for tensor, value in record.copies)
+        or any(not _same_bits(tensor, copy) for tensor, copy in record.copies)
     )
 
 
-def modes_to_replay(was: object, now: object) -> Optional[tuple]:
-    """``(pushed, restated)``: how fallback makes the recompute's modes the forward's; None if it cannot.
+def modes_to_replay(was: object, now: object, dispatch: bool) -> Optional[tuple]:
+    """``(popped, pushed, restated)``: how fallback gives the recompute the forward's user modes; None if it cannot.
 
-    ``pushed``: the forward's modes the recompute runs without, each
-    ``(mode, record)``; ``restated``: its replayable modes the recompute runs
-    under too (the same objects), whose state is put back.  Only when the
-    recompute runs under a prefix of the forward's stack (by class), every
-    missing mode is replayable, and each replayable mode still on the stack
-    is the forward's own object.
+    The recompute runs under the forward's modes alone, as the forward did:
+    ``popped``, the user modes on top of the stack that are not the
+    forward's (one around the backward only, another object of its class),
+    taken off for the recompute; ``pushed``, the forward's replayable modes
+    then missing, each ``(mode, record)``; ``restated``, its replayable modes
+    still on the stack (the same objects), whose state is put back.  None
+    when a mode to take off is not on top of the stack (torch's own mode
+    above it) or a mode to push was not recorded.
     """
     instances, records = getattr(was, "instances", ()), getattr(was, "records", ())
-    others = getattr(now, "instances", ())
-    if not instances or len(now) > len(was) or tuple(was[: len(now)]) != tuple(now):  # type: ignore[arg-type]
+    others = tuple(getattr(now, "instances", ()))
+    if not instances:
         return None
-    pushed = list(zip(instances[len(now):], records[len(now):]))
+    common = 0
+    while common < min(len(instances), len(others)) and others[common] is instances[common]:
+        common += 1
+    popped = others[common:]
+    pushed = list(zip(instances[common:], records[common:]))
     if any(record is None for _, record in pushed):
         return None
-    restated = []
-    for mode, record, other in zip(instances, records, others):
-        if record is not None:
-            if other is not mode:
-                return None  # another object of its class: its state is not the forward's
-            restated.append((mode, record))
-    if not pushed and not restated:
+    if popped:
+        stack = _get_current_dispatch_mode_stack() if dispatch else _get_current_function_mode_stack()
+        top = stack[len(stack) - len(popped):]
+        if len(top) != len(popped) or any(a is not b for a, b in zip(top, popped)):
+            return None  # torch's own mode sits above one to take off: it cannot be popped alone
+    restated = [(mode, record) for mode, record in zip(instances[:common], records[:common]) if record is not None]
+    if not (popped or pushed or restated):
         return None
-    return pushed, restated
+    return popped, pushed, restated
 
 
 def mode_state_kept(replay: tuple) -> bool:
-    """Whether no tensor a mode holds that needs a gradient was updated in place since the call.
+    """Whether no tensor a function mode holds that needs a gradient was updated in place since the call.
 
     The recompute must use that very tensor (its gradient flows to it), so no
-    copy can stand in for its old value.
+    copy can stand in for its old value.  (A dispatch mode holding one is not
+    recorded at all: see :func:`_copies`.)
     """
+    _, pushed, restated = replay
     return not any(
         kind == "tensor" and requires_grad_anywhere(value) and _version_of(value) != version
-        for modes in replay for _, record in modes for _, value, kind, version in record.contents
+        for _, record in (*pushed, *restated) for _, value, kind, version in record.contents
     )
 
 
 def describe_mode_change(was: object, now: object) -> str:
-    """CKG102/103's change line: the modes missing, or the replayable mode whose state moved."""
+    """CKG102/103's change line: the modes missing or added, or the replayable mode whose state moved."""
     parts = [f"{describe_modes(was)} → {describe_modes(now)}"] if tuple.__ne__(was, now) else []  # type: ignore[arg-type]
     others = getattr(now, "instances", ())
     for i, (mode, record) in enumerate(zip(getattr(was, "instances", ()), getattr(was, "records", ()))):
@@ -1465,10 +1543,17 @@ def describe_mode_change(was: object, now: object) -> str:
             parts.append(f"another {name} object than the forward's is active at the recompute")
         elif _mode_moved(record):
             what = [describe_contents_change(record.contents)] if changed_contents(record.contents) else []
-            what += ["a tensor it holds changed"] if any(not torch.equal(t, v) for t, v in record.copies) else []
+            what += ["a tensor it holds changed"] if any(not _same_bits(t, c) for t, c in record.copies) else []
             what += ["its generator moved on"] if moved_generators(record.generators) else []
-            parts.append(f"the {name} mode's state changed since the forward: " + "; ".join(what))
+            parts.append(f"the {name} mode's state moved on since the forward: " + "; ".join(what))
     return "; ".join(parts) or "the user modes changed"
+
+
+def only_state_moved(was: object, now: object) -> bool:
+    """The recompute runs under the forward's very mode objects; only a replayable one's state moved."""
+    others = getattr(now, "instances", ())
+    instances = getattr(was, "instances", ())
+    return len(others) == len(instances) and all(a is b for a, b in zip(others, instances))
 
 
 def _with_copies(entries: tuple, copies: dict) -> list:
@@ -1492,33 +1577,85 @@ def _with_copies(entries: tuple, copies: dict) -> list:
     return replaced
 
 
-@contextlib.contextmanager
-def replaying_modes(replay: tuple, dispatch: bool) -> Iterator[None]:
-    """The forward's modes for the recompute: each one's state as the call found it, the missing ones
-    pushed back (innermost last); their current state after.
+def _read_top_hooks() -> Optional[Callable[[], Any]]:
+    """A reader of the innermost saved-tensor hooks (torch >= 2.8), or None (torch 2.4-2.7 has none)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        top(True)
+        return lambda: top(True)
+    except TypeError:  # an early form took no argument
+        return lambda: top()
 
-    A tensor the mode holds is replaced by a fresh copy of its value at the
-    call (the recompute may update it in place; the user's tensor is never
-    written).  Pushed by the base class's ``__enter__``: the mode's own
-    ``__enter__`` and ``__exit__`` (a report printed at exit, a counter reset)
-    run once, as without checkpointing.
+
+_top_hooks = _read_top_hooks()
+
+#: whether fallback can re-enter a replayable mode for a non-reentrant recompute: that recompute
+#: runs torch's pack hook (``x.detach()``) for each saved tensor, which the mode must not see (the
+#: forward's pack hook runs no operation); hiding it needs the hook, read off the hook stack
+QUIET_RECOMPUTE_HOOKS = _top_hooks is not None
+
+
+@contextlib.contextmanager
+def _recompute_hooks_unseen(dispatch: bool) -> Iterator[None]:
+    """Run torch's recompute pack and unpack hooks with the user's modes off (see QUIET_RECOMPUTE_HOOKS)."""
+    top = _top_hooks() if _top_hooks is not None else None
+    if top is None:
+        yield
+        return
+    pack, unpack = top
+    if dispatch:
+        from torch.utils._python_dispatch import _disable_current_modes as modes_off
+    else:
+        modes_off = torch._C.DisableTorchFunction
+
+    def quiet_pack(x: Tensor) -> Any:
+        with modes_off():
+            return pack(x)
+
+    def quiet_unpack(x: Any) -> Any:
+        with modes_off():
+            return unpack(x)
+
+    with torch.autograd.graph.saved_tensors_hooks(quiet_pack, quiet_unpack):
+        yield
+
+
+@contextlib.contextmanager
+def replaying_modes(replay: tuple, dispatch: bool, inside_hooks: bool = False) -> Iterator[None]:
+    """The forward's modes for the recompute: the others taken off the top of the stack, the missing
+    ones pushed back (innermost last), each one's state as the call found it; all as before, after.
+
+    A tensor the mode holds that needs no gradient is replaced by a fresh
+    copy of its value at the call (the recompute may update it in place; the
+    user's tensor is not written).  Pushed by the base class's ``__enter__``:
+    the mode's own ``__enter__`` and ``__exit__`` (a report printed at exit,
+    a counter reset) run once, as without checkpointing.  ``inside_hooks``: a
+    non-reentrant recompute, whose saved-tensor hooks the modes must not see.
     """
-    pushed, restated = replay
+    popped, pushed, restated = replay
     records = [record for _, record in (*pushed, *restated)]
-    copies = {id(tensor): value.clone() for record in records for tensor, value in record.copies}
+    with _user_modes_off():
+        copies = {id(tensor): copy.clone() for record in records for tensor, copy in record.copies}
     contents = [entry for record in records for entry in _with_copies(record.contents, copies)]
     generators = [(g, state) for record in records for _, g, state in record.generators]
     base = TorchDispatchMode if dispatch else TorchFunctionMode
-    with replaying_contents(contents), replaying_generators(generators):
-        entered: list = []
-        try:
-            for mode, _ in pushed:
-                base.__enter__(mode)
-                entered.append(mode)
-            yield
-        finally:
-            for mode in reversed(entered):
-                base.__exit__(mode, None, None, None)
+    if dispatch:
+        from torch.utils._python_dispatch import _pop_mode_temporarily
+    else:
+        from torch.overrides import _pop_mode_temporarily  # type: ignore[no-redef]
+    with contextlib.ExitStack() as stack:
+        for _ in popped:
+            stack.enter_context(_pop_mode_temporarily())
+        stack.enter_context(replaying_contents(contents))
+        stack.enter_context(replaying_generators(generators))
+        for mode, _ in pushed:
+            base.__enter__(mode)
+            stack.callback(base.__exit__, mode, None, None, None)
+        if inside_hooks:
+            stack.enter_context(_recompute_hooks_unseen(dispatch))
+        yield
 
 
 # --------------------------------------------------------------------------
