@@ -831,6 +831,7 @@ def _reentrant_forward_keeping_the_cache(
             ),
         )
     _state.restore_contents(_state.changed_at_all(contents))
+    _state.put_back_modes([forward_state[i] for i in _MODE_INDICES])  # a marked mode's counter, ...
     _torch.set_rng_state(before[0])
     if devices:
         _torch_checkpoint.set_device_states(devices, device_rng)

@@ -1440,8 +1440,10 @@ def _copies(tensors: list, dispatch: bool) -> Optional[tuple]:
     A tensor that needs a gradient is not copied (the recompute must use that
     very tensor), and a dispatch mode may not hold one: an update inside
     ``__torch_dispatch__`` moves no version counter, so it could not be seen.
-    Only plain dense tensors are copied, none sharing memory with another
-    (a view's copy would not follow its base), within ``_MODE_COPY_LIMIT``.
+    Only plain dense tensors are copied (the replay writes the copy back into
+    the tensor itself, so the block sees it too, if it reads it), none
+    sharing memory with another held one or overlapping itself, within
+    ``_MODE_COPY_LIMIT``.
     """
     copies, storages, size = [], set(), 0
     with _user_modes_off():
@@ -1453,6 +1455,7 @@ def _copies(tensors: list, dispatch: bool) -> Optional[tuple]:
             if (
                 type(tensor) not in (Tensor, torch.nn.Parameter) or is_functorch_wrapped_tensor(tensor)
                 or tensor.layout is not torch.strided or tensor.is_meta
+                or any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape))
             ):
                 return None
             storage = tensor.untyped_storage().data_ptr()
@@ -1477,7 +1480,7 @@ def _same_bits(tensor: Tensor, copy: Tensor) -> bool:
 def _mode_moved(record: ModeRecord) -> bool:
     """Whether a replayable mode's state changed since ``record`` in a way its results can depend on."""
     return (
-        bool(changed_contents(record.contents))
+        bool(changed_at_all(record.contents))  # a log it appends to too: the mode may read its length
         or bool(moved_generators(record.generators))
         or any(not _same_bits(tensor, copy) for tensor, copy in record.copies)
     )
@@ -1542,11 +1545,26 @@ def describe_mode_change(was: object, now: object) -> str:
         if others[i] is not mode:
             parts.append(f"another {name} object than the forward's is active at the recompute")
         elif _mode_moved(record):
-            what = [describe_contents_change(record.contents)] if changed_contents(record.contents) else []
+            what = [_describe_state_change(record.contents)] if changed_at_all(record.contents) else []
             what += ["a tensor it holds changed"] if any(not _same_bits(t, c) for t, c in record.copies) else []
             what += ["its generator moved on"] if moved_generators(record.generators) else []
             parts.append(f"the {name} mode's state moved on since the forward: " + "; ".join(what))
     return "; ".join(parts) or "the user modes changed"
+
+
+def _describe_state_change(contents: tuple) -> str:
+    """``Scaler.calls changed; Scaler.log: 2 items → 3 items``: what moved in a mode's recorded state."""
+    parts = []
+    for path, value, kind, recorded in changed_at_all(contents):
+        if kind == "tensor":
+            parts.append(f"{path} updated in place")
+        elif kind == "object":
+            before, after = dict(recorded), dict(_full(value, kind))
+            names = [k for k in {**before, **after} if not _same_value(after.get(k, _GONE), before.get(k, _GONE))]
+            parts.append(", ".join(f"{path}.{name}" for name in names) + " changed")
+        else:
+            parts.append(f"{path}: {_count(len(recorded))} → {_count(len(_full(value, kind)))}")
+    return "; ".join(parts)
 
 
 def only_state_moved(was: object, now: object) -> bool:
@@ -1556,25 +1574,38 @@ def only_state_moved(was: object, now: object) -> bool:
     return len(others) == len(instances) and all(a is b for a, b in zip(others, instances))
 
 
-def _with_copies(entries: tuple, copies: dict) -> list:
-    """``entries`` with each copied tensor, wherever it is held (in tuples too), replaced by its copy."""
+def _write_quietly(tensor: Tensor, value: Tensor) -> None:
+    """``tensor``'s values set to ``value``'s as a dispatch mode's own update sets them: no version
+    counter moves (a saved tensor stays valid), unseen by the user's modes."""
+    with _user_modes_off(), torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
+        tensor.copy_(value)
 
-    def copied(item: object) -> object:
-        if type(item) is tuple:
-            return tuple(copied(x) for x in item)
-        return copies.get(id(item), item) if isinstance(item, Tensor) else item
 
-    replaced = []
-    for path, value, kind, recorded in entries:
-        if kind == "tensor":
-            continue
-        if copies:
-            if kind == "list":
-                recorded = tuple(copied(item) for item in recorded)
-            else:
-                recorded = tuple((key, copied(item)) for key, item in recorded)
-        replaced.append((path, value, kind, recorded))
-    return replaced
+@contextlib.contextmanager
+def _tensor_values(copies: Sequence[tuple]) -> Iterator[None]:
+    """Each ``(tensor, value)``: the tensor holds that value while the block runs, its own value after."""
+    with _user_modes_off():
+        now = [(tensor, tensor.detach().clone()) for tensor, _ in copies]
+    for tensor, value in copies:
+        _write_quietly(tensor, value)
+    try:
+        yield
+    finally:
+        for tensor, value in now:
+            _write_quietly(tensor, value)
+
+
+def put_back_modes(modes: Sequence[object]) -> None:
+    """Each replayable mode of these stacks back to its state at the call (a forward that must run again)."""
+    for stack in modes:
+        for record in getattr(stack, "records", ()):
+            if record is None:
+                continue
+            restore_contents(changed_at_all(record.contents))
+            for _, generator, state in record.generators:
+                generator.set_state(state)
+            for tensor, value in record.copies:
+                _write_quietly(tensor, value)
 
 
 def _read_top_hooks() -> Optional[Callable[[], Any]]:
@@ -1627,19 +1658,19 @@ def replaying_modes(replay: tuple, dispatch: bool, inside_hooks: bool = False) -
     """The forward's modes for the recompute: the others taken off the top of the stack, the missing
     ones pushed back (innermost last), each one's state as the call found it; all as before, after.
 
-    A tensor the mode holds that needs no gradient is replaced by a fresh
-    copy of its value at the call (the recompute may update it in place; the
-    user's tensor is not written).  Pushed by the base class's ``__enter__``:
+    A tensor the mode holds that needs no gradient holds its value at the
+    call again (written in place, as the mode's own update writes it: the
+    block sees it too where it reads that tensor), and its current value
+    after.  Pushed by the base class's ``__enter__``:
     the mode's own ``__enter__`` and ``__exit__`` (a report printed at exit,
     a counter reset) run once, as without checkpointing.  ``inside_hooks``: a
     non-reentrant recompute, whose saved-tensor hooks the modes must not see.
     """
     popped, pushed, restated = replay
     records = [record for _, record in (*pushed, *restated)]
-    with _user_modes_off():
-        copies = {id(tensor): copy.clone() for record in records for tensor, copy in record.copies}
-    contents = [entry for record in records for entry in _with_copies(record.contents, copies)]
+    contents = [entry for record in records for entry in record.contents if entry[2] != "tensor"]
     generators = [(g, state) for record in records for _, g, state in record.generators]
+    copies = [pair for record in records for pair in record.copies]
     base = TorchDispatchMode if dispatch else TorchFunctionMode
     if dispatch:
         from torch.utils._python_dispatch import _pop_mode_temporarily
@@ -1650,6 +1681,7 @@ def replaying_modes(replay: tuple, dispatch: bool, inside_hooks: bool = False) -
             stack.enter_context(_pop_mode_temporarily())
         stack.enter_context(replaying_contents(contents))
         stack.enter_context(replaying_generators(generators))
+        stack.enter_context(_tensor_values(copies))
         for mode, _ in pushed:
             base.__enter__(mode)
             stack.callback(base.__exit__, mode, None, None, None)

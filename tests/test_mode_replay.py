@@ -692,3 +692,123 @@ def test_a_marked_mode_with_state_the_record_cannot_keep_runs_the_block_plainly(
         result = step("checkpoint")
     assert_all_close(result, reference)
     assert [event.action for event in events] == ["fallback: no checkpoint"]
+
+
+# --------------------------------------------------------------------------
+# what the third review found
+
+
+@ckpt_guard.replayable_mode
+class Accumulator(TorchDispatchMode):
+    """Adds 1 to a tensor of its own on each sin, inside __torch_dispatch__ (no version counter moves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.acc = torch.ones(3)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.acc.add_(1.0)
+        return out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_tensor_the_mode_holds_and_the_block_reads_is_replayed_for_both(use_reentrant):
+    """The block is given the mode's own tensor: a copy swapped into the mode alone left the block
+    reading the moved one.  The replay writes the forward's value into the tensor itself."""
+
+    def block_reading(t, w, acc):
+        return torch.sin(t * acc) * w
+
+    def step(how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        mode = Accumulator()
+        with mode:
+            if how == "plain":
+                y = block_reading(x, w, mode.acc)
+            else:
+                y = checkpoint(block_reading, x, w, mode.acc, use_reentrant=use_reentrant)
+            torch.sin(x)  # the mode's state moves on after the block
+        y.sum().backward()
+        return [y.detach(), x.grad, w.grad, mode.acc.clone()]
+
+    reference = step("plain")
+    raw = _raw_step(lambda: step("checkpoint"))
+    assert not torch.equal(raw[1], reference[1])
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        repaired = step("checkpoint")
+    assert_all_close(repaired, reference)  # the mode's tensor ends where the plain run leaves it
+    assert [event.action for event in events] == [replayed(use_reentrant)]
+
+
+@pytest.mark.parametrize("backward_inside", [False, True])
+def test_a_reentrant_forward_run_again_for_a_kv_cache_starts_from_the_modes_state_at_the_call(backward_inside):
+    """CKG112's fallback runs a reentrant forward that filled a cache again, non-reentrant: the
+    marked mode's counter must be put back before, as the cache is."""
+
+    def block_caching(t, w, cache):
+        out = torch.sin(torch.sin(t) * w)
+        cache.append(out * 2)
+        return out
+
+    def step(how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        mode, cache = ReplayableScale(), []
+        with mode:
+            if how == "plain":
+                y = block_caching(x, w, cache)
+            else:
+                y = checkpoint(block_caching, x, w, cache, use_reentrant=True)
+            if backward_inside:
+                (y.sum() + cache[0].sum()).backward()
+        if not backward_inside:
+            (y.sum() + cache[0].sum()).backward()
+        return [y.detach(), cache[0].detach(), x.grad, w.grad, torch.tensor(float(mode.seen)), torch.tensor(len(cache))]
+
+    reference = step("plain")
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        repaired = step("checkpoint")
+    assert_all_close(repaired, reference)
+
+
+@ckpt_guard.replayable_mode
+class GrowingHistory(TorchDispatchMode):
+    """Appends to a list on each sin and scales by its length: state that only grows."""
+
+    def __init__(self):
+        super().__init__()
+        self.history = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.history.append(1)
+            out = out * len(self.history)
+        return out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_state_that_only_grows_counts_as_moved_when_the_backward_runs_inside_the_mode(use_reentrant):
+    """CKG112 does not count a log appended to; a marked mode's own log may be what it computes from."""
+    reference = _step(GrowingHistoryCounted, "plain", backward_inside=True)
+    raw = _raw(GrowingHistoryCounted, "checkpoint", use_reentrant, True)
+    assert not torch.equal(raw[2], reference[2])
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match="history: 0 items → 2 items"):
+        _step(GrowingHistoryCounted, "checkpoint", use_reentrant, True)
+    repaired, events = _fallback(GrowingHistoryCounted, "checkpoint", use_reentrant, True)
+    assert_all_close(repaired, reference)
+    assert [action for _, action in events] == [replayed(use_reentrant)]
+
+
+@ckpt_guard.replayable_mode
+class GrowingHistoryCounted(GrowingHistory):
+    @property
+    def seen(self):  # what _step reports as the mode's final state
+        return len(self.history)
