@@ -817,7 +817,7 @@ def _reentrant_forward_keeping_the_cache(
         if drew is not None:  # preserve_rng_state=False (CKG107)
             drew[0] = _state.drew_random(before)
         return output
-    if _state.updated_in_place(versions):
+    if _state.updated_in_place(versions) or _state.modes_updated_in_place([forward_state[i] for i in _MODE_INDICES]):
         forward_site_text = _describe_forward_site(site)
         _report_at_recompute(
             _CONTENTS_RULE, "fallback", forward_site_text, when="after the reentrant forward",
@@ -826,8 +826,8 @@ def _reentrant_forward_keeping_the_cache(
             variant=describe_variant(True, None), source=config.source,
             change=(
                 f"{_state.describe_contents_change(contents)}, in a reentrant forward (under no_grad: what it put "
-                "there carries no gradient) that also updated a tensor in place, a buffer or an input (it "
-                "cannot run again)"
+                "there carries no gradient) that also updated a tensor in place, a buffer, an input or one a "
+                "marked mode holds that needs a gradient (it cannot run again)"
             ),
         )
     _state.restore_contents(_state.changed_at_all(contents))

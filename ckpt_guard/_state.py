@@ -1070,7 +1070,14 @@ def changed_contents(was: tuple) -> list:
 
 
 def _same_value(a: object, b: object) -> bool:
-    return a is b or (type(a) in _SCALARS and type(a) is type(b) and a == b)
+    """The same object, or equal immutable values (a number, a shape, a tuple of them made anew)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if type(a) in _SCALARS:
+        return a == b
+    return type(a) in (tuple, frozenset) and _immutable(a) and _immutable(b) and a == b
 
 
 def _counts(now: tuple, was: tuple, kind: str) -> bool:
@@ -1521,17 +1528,31 @@ def modes_to_replay(was: object, now: object, dispatch: bool) -> Optional[tuple]
 
 
 def mode_state_kept(replay: tuple) -> bool:
-    """Whether no tensor a function mode holds that needs a gradient was updated in place since the call.
-
-    The recompute must use that very tensor (its gradient flows to it), so no
-    copy can stand in for its old value.  (A dispatch mode holding one is not
-    recorded at all: see :func:`_copies`.)
+    """Whether the recorded state can be put back: no tensor a function mode holds that needs a
+    gradient was updated in place since the call (the recompute must use that very tensor, so no
+    copy can stand in for its old value; a dispatch mode holding one is not recorded at all: see
+    :func:`_copies`), and no held tensor was resized or re-typed in place.
     """
     _, pushed, restated = replay
-    return not any(
+    records = [record for _, record in (*pushed, *restated)]
+    return not _grad_tensors_updated(records) and all(
+        tensor.shape == copy.shape and tensor.dtype == copy.dtype and tensor.stride() == copy.stride()
+        for record in records for tensor, copy in record.copies
+    )  # a held tensor resized or re-typed in place: its old value cannot be written back into it
+
+
+def _grad_tensors_updated(records: Sequence[ModeRecord]) -> bool:
+    return any(
         kind == "tensor" and requires_grad_anywhere(value) and _version_of(value) != version
-        for _, record in (*pushed, *restated) for _, value, kind, version in record.contents
+        for record in records for _, value, kind, version in record.contents
     )
+
+
+def modes_updated_in_place(modes: Sequence[object]) -> bool:
+    """Whether a marked mode of these stacks updated a tensor it holds that needs a gradient, or
+    resized one, since the call: no forward can run again from the call's state then."""
+    records = [record for stack in modes for record in getattr(stack, "records", ()) if record is not None]
+    return not mode_state_kept(((), [(None, record) for record in records], []))
 
 
 def describe_mode_change(was: object, now: object) -> str:
@@ -1586,9 +1607,9 @@ def _tensor_values(copies: Sequence[tuple]) -> Iterator[None]:
     """Each ``(tensor, value)``: the tensor holds that value while the block runs, its own value after."""
     with _user_modes_off():
         now = [(tensor, tensor.detach().clone()) for tensor, _ in copies]
-    for tensor, value in copies:
-        _write_quietly(tensor, value)
     try:
+        for tensor, value in copies:
+            _write_quietly(tensor, value)
         yield
     finally:
         for tensor, value in now:

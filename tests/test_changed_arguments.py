@@ -560,5 +560,5 @@ def test_reentrant_fallback_cannot_run_again_a_forward_that_updated_a_buffer():
         return torch.cat(cache).sum(0) * x
 
     x = torch.randn(3, 4, requires_grad=True)
-    with ckpt_guard.policy("fallback"), pytest.raises(CheckpointCompositionError, match=r"updated a tensor in place, a buffer or an input"):
+    with ckpt_guard.policy("fallback"), pytest.raises(CheckpointCompositionError, match=r"updated a tensor in place, a buffer, an input"):
         checkpoint(functools.partial(run), x, [torch.ones(3, 4)], use_reentrant=True)

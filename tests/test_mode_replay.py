@@ -812,3 +812,103 @@ class GrowingHistoryCounted(GrowingHistory):
     @property
     def seen(self):  # what _step reports as the mode's final state
         return len(self.history)
+
+
+# --------------------------------------------------------------------------
+# what the fourth review found
+
+
+@ckpt_guard.replayable_mode
+class LearnedShift(TorchFunctionMode):
+    """Adds a tensor that needs a gradient to each sin and bumps it under no_grad."""
+
+    def __init__(self, shift):
+        super().__init__()
+        self.shift = shift
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.sin:
+            with torch.no_grad():
+                self.shift.add_(1)
+            out = out + self.shift
+        return out
+
+
+def test_a_reentrant_forward_that_moved_a_modes_gradient_tensor_is_not_run_again():
+    """CKG112's rerun would start from the moved tensor (no copy can stand in for it): raised."""
+    shift = torch.zeros(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)
+
+    def block_caching(t, w, cache):
+        out = torch.sin(t) * w
+        cache.append(out * 2)
+        return out
+
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        with LearnedShift(shift), pytest.raises(CheckpointCompositionError, match="one a marked mode holds"):
+            checkpoint(block_caching, x, w, [], use_reentrant=True)
+
+
+@ckpt_guard.replayable_mode
+class Shapes(TorchDispatchMode):
+    """Keeps the last shape it saw, a new (equal) tuple each time: not a change of state."""
+
+    def __init__(self):
+        super().__init__()
+        self.last = ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.last = tuple(out.shape)
+        return out
+
+
+def test_an_equal_tuple_rebound_is_no_change():
+    def step():
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with Shapes() as mode:
+            mode.last = (4, 3)  # what it holds at the call, and again at the recompute, made anew
+            y = checkpoint(block, x, w, use_reentrant=False)
+            (y * 1).sum().backward()
+            assert mode.last == (4, 3)
+        return [y.detach(), x.grad, w.grad]
+
+    raw = _raw_step(step)
+    with ckpt_guard.policy("strict"), warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        for a, b in zip(step(), raw):
+            assert torch.equal(a, b)
+
+
+@ckpt_guard.replayable_mode
+class Growing(TorchDispatchMode):
+    """Grows a tensor of its own in place (resize_): its old value cannot be written back into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.history = torch.zeros(3)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.history.resize_(self.history.numel() + 1)
+        return out
+
+
+def test_a_held_tensor_resized_in_place_is_raised_not_crashed():
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        mode = Growing()
+        with mode:
+            y = checkpoint(block, x, w, use_reentrant=True)
+        with pytest.raises(CheckpointCompositionError, match=r"\[CKG102\]"):
+            y.sum().backward()
+    assert mode.history.numel() == 5  # left as the forward made it
