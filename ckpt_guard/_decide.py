@@ -767,7 +767,11 @@ def _checked_call(
     """
     if not reentrant or _is_grad_enabled():
         TORCH_RECOMPUTES[0] += 1
-        state = capture(reads, args, kwargs)
+        _state.RECORDING_MODES.on = False  # the call's records are what the recompute compares with
+        try:
+            state = capture(reads, args, kwargs)
+        finally:
+            _state.RECORDING_MODES.on = True
         replays = ()
         if _differs(state, forward_state):
             replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
@@ -1384,7 +1388,12 @@ def composable_instead(
     else:
         if not grad or (state is not None and applying_rules(state)):
             return None  # nothing will be recomputed, or the user switched off the rule for this
-        rule = _anticipated_rule(config, capture(_reads_target(function, args)))
+        _state.RECORDING_MODES.on = False  # only swaps and transforms matter here, not a mode's record
+        try:
+            state_now = capture(_reads_target(function, args))
+        finally:
+            _state.RECORDING_MODES.on = True
+        rule = _anticipated_rule(config, state_now)
         if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
             return None
         anticipated = True

@@ -186,13 +186,24 @@ def _replayable_state_moved(was: "ModeStack", now: object) -> bool:
     )
 
 
+class _Recording(threading.local):
+    """False on a thread while its recompute reads the state: it compares with the call's records,
+    and needs none of its own (another thread's call, meanwhile, records as usual)."""
+
+    on = True
+
+
+RECORDING_MODES = _Recording()
+
+
 def _user_modes(stack: list) -> tuple:
     modes = [m for m in stack if is_user_mode(m)]
     if not modes:
         return ()
     found = ModeStack(type(m) for m in modes)
     found.instances = tuple(modes)
-    found.records = tuple(mode_record(m) if is_replayable_mode(m) else None for m in modes)
+    record = RECORDING_MODES.on
+    found.records = tuple(mode_record(m) if record and is_replayable_mode(m) else None for m in modes)
     return found
 
 
@@ -982,12 +993,33 @@ def contents_snapshot(roots: list, generators: Optional[list] = None, unrecorded
 _STATELESS = (types.FunctionType, types.BuiltinFunctionType, type, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
-def _stateless(value: object) -> bool:
-    """A function without closure, mutable defaults or attributes of its own, a class, an operator."""
+def _stateless(value: object, depth: int = 3) -> bool:
+    """A function whose defaults, attributes and closure cells hold nothing mutable (``super()``'s
+    ``__class__`` cell is fine), a static or class method or property made of such functions, a
+    class, an operator, a function of torch's own.  What a function reads through its globals is
+    not seen."""
     if type(value) is types.FunctionType:
-        return not value.__closure__ and not value.__dict__ and all(
-            _immutable(d) for d in (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
-        )
+        if (getattr(value, "__module__", None) or "").split(".")[0] == "torch":
+            return True  # torch's own wrappers (dynamo's disable on __torch_dispatch__): not the user's state
+        if depth <= 0:
+            return False
+        if not all(_immutable(v) or _stateless(v, depth - 1) for v in value.__dict__.values()):
+            return False  # an attribute of its own (functools.wraps' __wrapped__ is a function: looked into)
+        defaults = (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+        if not all(_immutable(d) for d in defaults):
+            return False
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if not (name == "__class__" or _immutable(content) or _stateless(content, depth - 1)):
+                return False
+        return True
+    if isinstance(value, (staticmethod, classmethod)):
+        return _stateless(value.__func__, depth)
+    if isinstance(value, property):
+        return all(f is None or _stateless(f, depth) for f in (value.fget, value.fset, value.fdel))
     return isinstance(value, _STATELESS)
 
 
@@ -1424,18 +1456,38 @@ def mode_record(mode: object) -> Optional[ModeRecord]:
     return ModeRecord(tuple(entries), copies, _generator_states(found))
 
 
+#: what Python and typing keep in a class's own namespace: no state of the mode's
+_CLASS_BOOKKEEPING = frozenset({
+    "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
+    "__orig_bases__", "__parameters__", "__firstlineno__", "__static_attributes__", "__type_params__",
+    "__abstractmethods__", "_abc_impl", "__slots__", REPLAYABLE_MODE_MARK,
+})
+
+
+#: mode class -> _unrecordable_class's answer, worked out on its first record (weak: a user's class
+#: must not outlive its last use)
+_unrecordable_classes: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
 def _unrecordable_class(cls: type) -> bool:
-    """Whether a mode class may keep state outside its instance ``__dict__``: slots, or a container
-    (list, dict, set, tensor, object) held by the class itself, shared by its instances."""
+    known = _unrecordable_classes.get(cls)
+    if known is None:
+        known = _unrecordable_classes[cls] = _keeps_state_outside(cls)
+    return known
+
+
+def _keeps_state_outside(cls: type) -> bool:
+    """Whether a mode class may keep state outside its instance ``__dict__``: slots, a mutable value
+    held by a class of its own (a list shared by its instances, a mixin's), a method with a mutable
+    default or a closure over one.  torch's classes are not looked at.  Looked at once per class
+    (a class given a mutable attribute after its first use is not seen)."""
     for klass in cls.__mro__:
-        if klass in (TorchDispatchMode, TorchFunctionMode, object):
-            break
-        if "__slots__" in vars(klass):
+        if klass is object or (getattr(klass, "__module__", "") or "").split(".")[0] == "torch":
+            continue
+        if set(vars(klass).get("__slots__", ())) - {"__dict__", "__weakref__"}:
             return True
         for name, value in vars(klass).items():
-            if name.startswith("__") or _immutable(value):
-                continue
-            if isinstance(value, (staticmethod, classmethod, property)) or _stateless(value):
+            if name in _CLASS_BOOKKEEPING or _immutable(value) or _stateless(value):
                 continue
             return True
     return False
@@ -1528,10 +1580,8 @@ def modes_to_replay(was: object, now: object, dispatch: bool) -> Optional[tuple]
 
 
 def mode_state_kept(replay: tuple) -> bool:
-    """Whether the recorded state can be put back: no tensor a function mode holds that needs a
-    gradient was updated in place since the call (the recompute must use that very tensor, so no
-    copy can stand in for its old value; a dispatch mode holding one is not recorded at all: see
-    :func:`_copies`), and no held tensor was resized or re-typed in place.
+    """Whether the recorded state can be put back: no held tensor updated in place where autograd
+    sees it since the call (:func:`_grad_tensors_updated`), none resized or re-typed in place.
     """
     _, pushed, restated = replay
     records = [record for _, record in (*pushed, *restated)]
@@ -1542,8 +1592,16 @@ def mode_state_kept(replay: tuple) -> bool:
 
 
 def _grad_tensors_updated(records: Sequence[ModeRecord]) -> bool:
+    """Any held tensor updated in place where autograd sees it (its version moved) since the call.
+
+    One that needs a gradient: the recompute must use that very tensor.  One
+    that needs none: without checkpointing, a backward through an operation
+    that saved it would raise ("modified by an inplace operation"); the
+    replay's quiet write-back would hide that and use the new value.  (An
+    update inside ``__torch_dispatch__`` moves no version, and is replayed.)
+    """
     return any(
-        kind == "tensor" and requires_grad_anywhere(value) and _version_of(value) != version
+        kind == "tensor" and _version_of(value) != version
         for record in records for _, value, kind, version in record.contents
     )
 

@@ -912,3 +912,128 @@ def test_a_held_tensor_resized_in_place_is_raised_not_crashed():
         with pytest.raises(CheckpointCompositionError, match=r"\[CKG102\]"):
             y.sum().backward()
     assert mode.history.numel() == 5  # left as the forward made it
+
+
+# --------------------------------------------------------------------------
+# what the fifth review found
+
+
+def _closing_over_a_list():
+    seen = []
+
+    class ClosesOver(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.sin.default:
+                seen.append(1)
+                out = out * (len(seen) + 1)
+            return out
+
+    return ClosesOver
+
+
+class _DefaultOnDispatch(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None, _seen=[]):  # noqa: B006
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            _seen.append(1)
+            out = out * (len(_seen) + 1)
+        return out
+
+
+class _StaticHelper(TorchDispatchMode):
+    @staticmethod
+    def scale(out, _seen=[]):  # noqa: B006
+        _seen.append(1)
+        return out * (len(_seen) + 1)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return self.scale(out) if func is torch.ops.aten.sin.default else out
+
+
+class _Tracker:
+    history: list = []
+
+    def scale(self, out):
+        self.history.append(1)
+        return out * (len(self.history) + 1)
+
+
+class _MixinAfterTheBase(TorchDispatchMode, _Tracker):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return self.scale(out) if func is torch.ops.aten.sin.default else out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(_closing_over_a_list, id="its method closes over a list"),
+        pytest.param(lambda: _DefaultOnDispatch, id="a mutable default on __torch_dispatch__"),
+        pytest.param(lambda: _StaticHelper, id="a static method with a mutable default"),
+        pytest.param(lambda: _MixinAfterTheBase, id="a mixin after the base holding a list"),
+    ],
+)
+def test_state_outside_the_instance_keeps_the_plain_run(make, use_reentrant):
+    """State the promise excludes, that the guard can see: marked or not, the block runs plainly."""
+    marked = ckpt_guard.replayable_mode(type("Marked", (make(),), {}))
+
+    def step(how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with marked():
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
+            y.sum().backward()
+        return [x.grad, w.grad]
+
+    first, second = step("plain"), step("plain")
+    assert not torch.equal(first[0], second[0])  # its state lives outside the object: it moved on
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        step("checkpoint")
+    assert [event.action for event in events] == ["fallback: no checkpoint"]  # the plain run, as unmarked
+
+
+@ckpt_guard.replayable_mode
+class ScheduledScale(TorchFunctionMode):
+    """Multiplies sin by a scale tensor it holds (autograd saves it); the user steps it between the
+    forward and the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.tensor(2.0)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * self.scale if func is torch.sin else out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_held_tensor_updated_where_autograd_sees_it_is_raised_as_torch_raises(use_reentrant):
+    """Without checkpointing torch raises (a saved tensor modified in place); a quiet write-back would
+    have hidden that and used the new scale."""
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    mode = ScheduledScale()
+    with mode:
+        y = block(x, w)
+    with torch.no_grad():
+        mode.scale.fill_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    mode = ScheduledScale()
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        with mode:
+            y = checkpoint(block, x, w, use_reentrant=use_reentrant)
+        with torch.no_grad():
+            mode.scale.fill_(3.0)
+        if use_reentrant or QUIET_RECOMPUTE_HOOKS:
+            with pytest.raises(CheckpointCompositionError, match=r"\[CKG103\]"):
+                y.sum().backward()
+        else:  # torch 2.4-2.7, non-reentrant: run plainly, so torch's own error
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()
