@@ -831,7 +831,7 @@ def _reentrant_forward_keeping_the_cache(
             change=(
                 f"{_state.describe_contents_change(contents)}, in a reentrant forward (under no_grad: what it put "
                 "there carries no gradient) that also updated a tensor in place, a buffer, an input or one a "
-                "marked mode holds that needs a gradient (it cannot run again)"
+                "marked mode holds, where autograd sees it (it cannot run again)"
             ),
         )
     _state.restore_contents(_state.changed_at_all(contents))

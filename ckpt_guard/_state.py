@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 import functools
 import inspect
 import itertools
 import operator
+import os
 import sys
 import threading
 import types
@@ -989,44 +991,85 @@ def contents_snapshot(roots: list, generators: Optional[list] = None, unrecorded
     return tuple(entries)
 
 
-#: values a mode may hold whose own state cannot change what it computes (identity is recorded)
-_STATELESS = (types.FunctionType, types.BuiltinFunctionType, type, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+#: values a mode may hold whose own state cannot change what it computes (identity is recorded):
+#: functions (looked into by _stateless), classes, torch's operators and their namespaces, modules
+_STATELESS = (
+    types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType,
+    torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops._OpNamespace,
+    # a C class's methods (typing.Generic's on Python 3.13)
+    types.MethodDescriptorType, types.ClassMethodDescriptorType, types.WrapperDescriptorType,
+    types.GetSetDescriptorType,
+)
+#: where code the replay trusts lives: torch's package and Python's standard library (not the
+#: site-packages below it)
+_TRUSTED_CODE_ROOTS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (torch.__file__, functools.__file__)
+)
 
 
-def _stateless(value: object, depth: int = 3) -> bool:
-    """A function whose defaults, attributes and closure cells hold nothing mutable (``super()``'s
-    ``__class__`` cell is fine), a static or class method or property made of such functions, a
-    class, an operator, a function of torch's own.  What a function reads through its globals is
-    not seen."""
+def _cell_contents(cell: Any) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _trusted_code(function: types.FunctionType) -> bool:
+    """A function of torch's or of Python's own library (a decorator's wrapper: torch's dynamo
+    disable on ``__torch_dispatch__``, ``torch.no_grad()``, dataclasses' repr guard)."""
+    filename = function.__code__.co_filename
+    if filename.startswith(_TRUSTED_CODE_ROOTS[0]):
+        return True
+    return filename.startswith(_TRUSTED_CODE_ROOTS[1]) and "-packages" not in filename[len(_TRUSTED_CODE_ROOTS[1]):]
+
+
+def _stateless(value: object, depth: int = 4, seen: Optional[set] = None) -> bool:
+    """A function whose defaults hold nothing mutable, whose attributes and closure cells hold only
+    such functions, classes or operators (``super()``'s ``__class__`` cell is fine; a number in a
+    cell is not: ``nonlocal n; n += 1`` rebinds it), a static or class method or property made of
+    such functions, a class, an operator, a module; a function of torch's or Python's own library.
+    What a function reads through its globals is not seen."""
     if type(value) is types.FunctionType:
-        if (getattr(value, "__module__", None) or "").split(".")[0] == "torch":
-            return True  # torch's own wrappers (dynamo's disable on __torch_dispatch__): not the user's state
+        seen = set() if seen is None else seen
+        if id(value) in seen:
+            return True  # already being looked at (a wrapper and the function it wraps refer to each other)
+        seen.add(id(value))
         if depth <= 0:
             return False
-        if not all(_immutable(v) or _stateless(v, depth - 1) for v in value.__dict__.values()):
-            return False  # an attribute of its own (functools.wraps' __wrapped__ is a function: looked into)
+        if _trusted_code(value):  # a wrapper of torch's or Python's: the user's function it wraps is looked into
+            held = [*value.__dict__.values(), *(_cell_contents(cell) for cell in value.__closure__ or ())]
+            return all(
+                _stateless(f, depth - 1, seen) for f in held if type(f) is types.FunctionType and not _trusted_code(f)
+            )
+        if not all(_stateless(v, depth - 1, seen) for v in value.__dict__.values()):
+            return False  # an attribute of its own: a counter (f.calls += 1); functools.wraps' __wrapped__ is looked into
         defaults = (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
         if not all(_immutable(d) for d in defaults):
             return False
         for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
             try:
                 content = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if not (name == "__class__" or _immutable(content) or _stateless(content, depth - 1)):
+            except ValueError:  # an empty cell: it may be filled later
+                return False
+            if not (name == "__class__" or _stateless(content, depth - 1, seen)):
                 return False
         return True
     if isinstance(value, (staticmethod, classmethod)):
-        return _stateless(value.__func__, depth)
+        return _stateless(value.__func__, depth, seen)
     if isinstance(value, property):
-        return all(f is None or _stateless(f, depth) for f in (value.fget, value.fset, value.fdel))
+        return all(f is None or _stateless(f, depth, seen) for f in (value.fget, value.fset, value.fdel))
+    if isinstance(value, functools.cached_property):  # it stores into the instance __dict__, which is recorded
+        return _stateless(value.func, depth, seen)
     return isinstance(value, _STATELESS)
 
 
 def _immutable(value: object) -> bool:
+    """A number, string, dtype, shape, enum member, or a tuple / frozenset of such values or of
+    operators and classes."""
     if type(value) in (tuple, frozenset):
-        return all(_immutable(item) for item in value)  # type: ignore[attr-defined]
-    return type(value) in _SCALARS
+        return all(_immutable(item) or isinstance(item, _STATELESS[2:]) for item in value)  # type: ignore[attr-defined]
+    return type(value) in _SCALARS or isinstance(value, enum.Enum)
 
 
 _NO_ARGUMENT_STATE = ((), ())
@@ -1460,7 +1503,8 @@ def mode_record(mode: object) -> Optional[ModeRecord]:
 _CLASS_BOOKKEEPING = frozenset({
     "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__annotations__",
     "__orig_bases__", "__parameters__", "__firstlineno__", "__static_attributes__", "__type_params__",
-    "__abstractmethods__", "_abc_impl", "__slots__", REPLAYABLE_MODE_MARK,
+    "__abstractmethods__", "_abc_impl", "__slots__", "__dataclass_fields__", "__dataclass_params__",
+    "__match_args__", REPLAYABLE_MODE_MARK,
 })
 
 

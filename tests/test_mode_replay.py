@@ -1037,3 +1037,148 @@ def test_a_held_tensor_updated_where_autograd_sees_it_is_raised_as_torch_raises(
         else:  # torch 2.4-2.7, non-reentrant: run plainly, so torch's own error
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 y.sum().backward()
+
+
+# --------------------------------------------------------------------------
+# what the sixth review found
+
+
+def _nonlocal_counter():
+    n = 0
+
+    class CountsInACell(TorchDispatchMode):
+        def scale(self, out):
+            nonlocal n
+            n += 1
+            return out * (n + 1)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return self.scale(out) if func is torch.ops.aten.sin.default else out
+
+    return CountsInACell
+
+
+class _FunctionAttribute(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            helper.calls += 1
+            out = out * (helper.calls + 1)
+        return out
+
+    @staticmethod
+    def helper():
+        pass
+
+
+helper = _FunctionAttribute.helper
+helper.calls = 0
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("make", [
+    pytest.param(_nonlocal_counter, id="a number in a closure cell, rebound by nonlocal"),
+    pytest.param(lambda: _FunctionAttribute, id="a counter on a function's attributes"),
+])
+def test_a_number_kept_in_a_cell_or_on_a_function_keeps_the_plain_run(make, use_reentrant):
+    marked = ckpt_guard.replayable_mode(type("Marked", (make(),), {}))
+
+    def step(how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with marked():
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
+            y.sum().backward()
+        return [x.grad, w.grad]
+
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        step("checkpoint")
+    assert [event.action for event in events] == ["fallback: no checkpoint"]
+
+
+import dataclasses  # noqa: E402
+import enum  # noqa: E402
+import functools  # noqa: E402
+import typing  # noqa: E402
+
+
+class _Kind(enum.Enum):
+    SCALE = 1
+
+
+@dataclasses.dataclass
+class _DataclassScale(TorchDispatchMode):
+    seen: int = 0
+    kind: _Kind = _Kind.SCALE
+
+    def __post_init__(self):
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.seen += 1
+            out = out * (self.seen + 1)
+        return out
+
+
+T = typing.TypeVar("T")
+
+
+class _GenericScale(TorchDispatchMode, typing.Generic[T]):
+    ops = frozenset({torch.ops.aten.sin.default})
+    kind = _Kind.SCALE
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    @functools.cached_property
+    def factor(self):
+        return 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            self.seen += 1
+            out = out * (self.seen + self.factor)
+        return out
+
+
+def _reading_a_namespace():
+    aten = torch.ops.aten
+
+    class ReadsNamespace(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is aten.sin.default:
+                self.seen += 1
+                out = out * (self.seen + 1)
+            return out
+
+    return ReadsNamespace
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _DataclassScale, id="a dataclass"),
+    pytest.param(lambda: _GenericScale, id="typing.Generic, an enum, a frozenset of ops, a cached_property"),
+    pytest.param(_reading_a_namespace, id="a closure over torch.ops.aten"),
+])
+def test_ordinary_mode_classes_are_replayed(make, use_reentrant):
+    """Found by the sixth review: these were refused by a class inspection that looked at Python's
+    own bookkeeping (a dataclass's fields, Generic's class methods, torch's op namespace)."""
+    marked = ckpt_guard.replayable_mode(type("Marked", (make(),), {}))
+    reference = _step(marked, "plain", backward_inside=True)
+    raw = _raw(marked, "checkpoint", use_reentrant, True)
+    assert not torch.equal(raw[2], reference[2])
+    repaired, events = _fallback(marked, "checkpoint", use_reentrant, True)
+    assert_all_close(repaired, reference)
+    assert [action for _, action in events] == [replayed(use_reentrant)]
