@@ -992,9 +992,9 @@ def contents_snapshot(roots: list, generators: Optional[list] = None, unrecorded
 
 
 #: values a mode may hold whose own state cannot change what it computes (identity is recorded):
-#: functions (looked into by _stateless), classes, torch's operators and their namespaces, modules
+#: functions (looked into by _stateless), classes, torch's operators and their namespaces
 _STATELESS = (
-    types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType,
+    types.FunctionType, types.BuiltinFunctionType, type,
     torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops._OpNamespace,
     # a C class's methods (typing.Generic's on Python 3.13)
     types.MethodDescriptorType, types.ClassMethodDescriptorType, types.WrapperDescriptorType,
@@ -1013,6 +1013,24 @@ def _cell_contents(cell: Any) -> object:
         return cell.cell_contents
     except ValueError:  # an empty cell
         return None
+
+
+def _wrapper_held(value: object, depth: int, seen: set) -> bool:
+    """What a wrapper of torch's or Python's holds may stay: its own bookkeeping (an object of a
+    torch or standard-library class: dynamo's context, dataclasses' recursion guard, typing's
+    cache), unless it holds a function of the user's, which is looked into; an object of the
+    user's own class is state the record cannot see."""
+    if type(value) is types.FunctionType:
+        return _stateless(value, depth, seen)
+    if _immutable(value) or isinstance(value, _STATELESS):
+        return True
+    if type(value) in (dict, list, tuple, set, frozenset):
+        items = value.values() if type(value) is dict else value  # type: ignore[attr-defined]
+        return len(items) <= _CONTENTS_BUDGET and all(  # type: ignore[arg-type]
+            _wrapper_held(item, depth - 1, seen) for item in items  # type: ignore[union-attr]
+        )
+    root = (getattr(type(value), "__module__", "") or "").split(".")[0]
+    return root == "torch" or root in _reads._LIBRARY_ROOTS
 
 
 def _trusted_code(function: types.FunctionType) -> bool:
@@ -1037,11 +1055,9 @@ def _stateless(value: object, depth: int = 4, seen: Optional[set] = None) -> boo
         seen.add(id(value))
         if depth <= 0:
             return False
-        if _trusted_code(value):  # a wrapper of torch's or Python's: the user's function it wraps is looked into
+        if _trusted_code(value):  # a wrapper of torch's or Python's: what it wraps is looked into
             held = [*value.__dict__.values(), *(_cell_contents(cell) for cell in value.__closure__ or ())]
-            return all(
-                _stateless(f, depth - 1, seen) for f in held if type(f) is types.FunctionType and not _trusted_code(f)
-            )
+            return all(_wrapper_held(h, depth - 1, seen) for h in held)
         if not all(_stateless(v, depth - 1, seen) for v in value.__dict__.values()):
             return False  # an attribute of its own: a counter (f.calls += 1); functools.wraps' __wrapped__ is looked into
         defaults = (*(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
@@ -1061,6 +1077,11 @@ def _stateless(value: object, depth: int = 4, seen: Optional[set] = None) -> boo
         return all(f is None or _stateless(f, depth, seen) for f in (value.fget, value.fset, value.fdel))
     if isinstance(value, functools.cached_property):  # it stores into the instance __dict__, which is recorded
         return _stateless(value.func, depth, seen)
+    if isinstance(value, types.ModuleType):  # a namespace anyone may write to: torch's are taken as constant
+        return (value.__name__ or "").split(".")[0] == "torch"
+    if isinstance(value, types.BuiltinFunctionType):  # len, math.sqrt; not log.append or rng.random
+        owner = getattr(value, "__self__", None)
+        return owner is None or isinstance(owner, types.ModuleType)
     return isinstance(value, _STATELESS)
 
 
@@ -1447,6 +1468,7 @@ class ModeRecord(NamedTuple):
     contents: tuple  # as CKG112 records a container: the mode object, what its attributes hold
     copies: tuple  # ((tensor, its value at the call), ...) for the tensors that need no gradient
     generators: tuple  # ((label, generator, state), ...)
+    class_values: tuple = ()  # ((class, name, value), ...): numbers its classes hold (type(self).n += 1)
 
 
 @contextlib.contextmanager
@@ -1496,7 +1518,7 @@ def mode_record(mode: object) -> Optional[ModeRecord]:
     copies = _copies(tensors, dispatch=isinstance(mode, TorchDispatchMode))
     if copies is None:
         return None
-    return ModeRecord(tuple(entries), copies, _generator_states(found))
+    return ModeRecord(tuple(entries), copies, _generator_states(found), _class_values(cls))
 
 
 #: what Python and typing keep in a class's own namespace: no state of the mode's
@@ -1520,14 +1542,97 @@ def _unrecordable_class(cls: type) -> bool:
     return known
 
 
+def _user_classes(cls: type) -> list:
+    return [
+        klass for klass in cls.__mro__
+        if klass is not object and (getattr(klass, "__module__", "") or "").split(".")[0] != "torch"
+    ]
+
+
+def _class_values(cls: type) -> tuple:
+    """``((owner, name, value), ...)``: the plain values (numbers, strings, tuples of them) the mode's
+    own classes hold now, and those its methods (and the functions they wrap) hold as attributes.
+
+    A method that rebinds one (``type(self).calls += 1``, also creating it on
+    a subclass; ``wrapper.calls = getattr(wrapper, "calls", 0) + 1`` in a
+    decorator) changes the mode's state as an attribute of its own does.
+    """
+    functions, classes = _reachable_from(cls)
+    owners = [*classes, *functions]
+    return tuple(
+        (owner, name, value) for owner in owners for name, value in vars(owner).items()
+        if name not in _CLASS_BOOKKEEPING and not (name.startswith("__") and type(owner) is types.FunctionType)
+        and _immutable(value)
+    )
+
+
+def _class_values_moved(values: tuple, cls: Optional[type] = None) -> bool:
+    if cls is not None and len(_class_values(cls)) != len(values):
+        return True  # a plain value came (a subclass's own counter, a decorator's first count) or went
+    return any(not _same_value(vars(owner).get(name, _GONE), value) for owner, name, value in values)
+
+
+#: mode class -> (its methods and the functions they wrap or close over, the user classes it and
+#: they refer to: a nested ``class State: calls = 0``, a class in a closure)
+_reachable: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _user_class(value: object) -> bool:
+    if not isinstance(value, type):
+        return False
+    root = (getattr(value, "__module__", "") or "").split(".")[0]
+    return root != "torch" and root not in _reads._LIBRARY_ROOTS
+
+
+def _reachable_from(cls: type) -> tuple:
+    """``(functions, classes)`` the mode class reaches through its classes' namespaces, its
+    functions' attributes and closure cells, and the classes found there (bounded)."""
+    known = _reachable.get(cls)
+    if known is not None:
+        return known
+    functions: list = []
+    classes: list = list(_user_classes(cls))
+    seen: set = {id(c) for c in classes}
+    stack = [value for klass in classes for value in vars(klass).values()]
+    while stack and len(seen) <= _CONTENTS_BUDGET:
+        value = stack.pop()
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        elif isinstance(value, property):
+            stack += [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+            continue
+        if id(value) in seen:
+            continue
+        if type(value) is types.FunctionType:
+            seen.add(id(value))
+            functions.append(value)
+            stack += [*value.__dict__.values(), *map(_cell_contents, value.__closure__ or ())]
+        elif _user_class(value):
+            for klass in value.__mro__:
+                if _user_class(klass) and id(klass) not in seen:
+                    seen.add(id(klass))
+                    classes.append(klass)
+                    stack += list(vars(klass).values())
+    known = _reachable[cls] = (tuple(functions), tuple(classes))
+    return known
+
+
+def _set_class_values(values: Sequence[tuple]) -> None:
+    for klass, name, value in values:
+        if value is _GONE:
+            if name in vars(klass):
+                delattr(klass, name)
+        else:
+            setattr(klass, name, value)
+
+
 def _keeps_state_outside(cls: type) -> bool:
     """Whether a mode class may keep state outside its instance ``__dict__``: slots, a mutable value
     held by a class of its own (a list shared by its instances, a mixin's), a method with a mutable
-    default or a closure over one.  torch's classes are not looked at.  Looked at once per class
-    (a class given a mutable attribute after its first use is not seen)."""
-    for klass in cls.__mro__:
-        if klass is object or (getattr(klass, "__module__", "") or "").split(".")[0] == "torch":
-            continue
+    default or a closure over one; so may a class it refers to (a nested one, one in a closure).
+    torch's classes are not looked at.  Looked at once per class (a class given a mutable
+    attribute after its first use is not seen)."""
+    for klass in _reachable_from(cls)[1]:
         if set(vars(klass).get("__slots__", ())) - {"__dict__", "__weakref__"}:
             return True
         for name, value in vars(klass).items():
@@ -1586,6 +1691,7 @@ def _mode_moved(record: ModeRecord) -> bool:
         bool(changed_at_all(record.contents))  # a log it appends to too: the mode may read its length
         or bool(moved_generators(record.generators))
         or any(not _same_bits(tensor, copy) for tensor, copy in record.copies)
+        or _class_values_moved(record.class_values, type(record.contents[0][1]))
     )
 
 
@@ -1671,6 +1777,11 @@ def describe_mode_change(was: object, now: object) -> str:
             what = [_describe_state_change(record.contents)] if changed_at_all(record.contents) else []
             what += ["a tensor it holds changed"] if any(not _same_bits(t, c) for t, c in record.copies) else []
             what += ["its generator moved on"] if moved_generators(record.generators) else []
+            what += [
+                f"{owner.__qualname__}.{name} changed" for owner, name, value in record.class_values
+                if not _same_value(vars(owner).get(name, _GONE), value)
+            ] or (["a value its class or a method holds came or went"] if _class_values_moved(
+                record.class_values, type(mode)) else [])
             parts.append(f"the {name} mode's state moved on since the forward: " + "; ".join(what))
     return "; ".join(parts) or "the user modes changed"
 
@@ -1718,6 +1829,28 @@ def _tensor_values(copies: Sequence[tuple]) -> Iterator[None]:
             _write_quietly(tensor, value)
 
 
+@contextlib.contextmanager
+def _class_values_replayed(records: list) -> Iterator[None]:
+    """The plain values the modes' classes held at the call while the block runs; today's after."""
+    now = {cls: _class_values(cls) for cls in {type(mode) for mode, _ in records}}
+    try:
+        for mode, record in records:
+            _put_class_values(type(mode), record.class_values)
+        yield
+    finally:
+        for cls, values in now.items():
+            _put_class_values(cls, values)
+
+
+def _put_class_values(cls: type, values: Sequence[tuple]) -> None:
+    """The mode's classes' plain values as ``values`` has them: set, and those that came since removed."""
+    kept = {(klass, name) for klass, name, _ in values}
+    for klass, name, _ in _class_values(cls):
+        if (klass, name) not in kept:
+            delattr(klass, name)
+    _set_class_values(values)
+
+
 def put_back_modes(modes: Sequence[object]) -> None:
     """Each replayable mode of these stacks back to its state at the call (a forward that must run again)."""
     for stack in modes:
@@ -1729,6 +1862,9 @@ def put_back_modes(modes: Sequence[object]) -> None:
                 generator.set_state(state)
             for tensor, value in record.copies:
                 _write_quietly(tensor, value)
+        for mode, record in zip(getattr(stack, "instances", ()), getattr(stack, "records", ())):
+            if record is not None:
+                _put_class_values(type(mode), record.class_values)
 
 
 def _read_top_hooks() -> Optional[Callable[[], Any]]:
@@ -1805,6 +1941,7 @@ def replaying_modes(replay: tuple, dispatch: bool, inside_hooks: bool = False) -
         stack.enter_context(replaying_contents(contents))
         stack.enter_context(replaying_generators(generators))
         stack.enter_context(_tensor_values(copies))
+        stack.enter_context(_class_values_replayed([*pushed, *restated]))
         for mode, _ in pushed:
             base.__enter__(mode)
             stack.callback(base.__exit__, mode, None, None, None)

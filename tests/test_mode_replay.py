@@ -1182,3 +1182,129 @@ def test_ordinary_mode_classes_are_replayed(make, use_reentrant):
     repaired, events = _fallback(marked, "checkpoint", use_reentrant, True)
     assert_all_close(repaired, reference)
     assert [action for _, action in events] == [replayed(use_reentrant)]
+
+
+class _ClassCounter(TorchDispatchMode):
+    calls = 0  # a number the class holds, rebound by its objects: state outside the instance
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            type(self).calls += 1
+            out = out * (type(self).calls + 1)
+        return out
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_number_its_class_holds_is_recorded_and_replayed(use_reentrant):
+    marked = ckpt_guard.replayable_mode(type("MarkedClassCounter", (_ClassCounter,), {}))
+
+    def step(how):
+        marked.calls = 0
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with marked():
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
+            y.sum().backward()
+        return [y.detach(), x.grad, w.grad, torch.tensor(float(marked.calls))]
+
+    reference = step("plain")
+    raw = _raw_step(lambda: step("checkpoint"))
+    assert not torch.equal(raw[2], reference[2])
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match="MarkedClassCounter.calls changed"):
+        step("checkpoint")
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        repaired = step("checkpoint")
+    assert_all_close(repaired, reference)  # the class's counter too
+    assert [event.action for event in events] == [replayed(use_reentrant)]
+
+
+# --------------------------------------------------------------------------
+# what the seventh review found
+
+
+class _NestedState(TorchDispatchMode):
+    class State:
+        calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.sin.default:
+            self.State.calls += 1
+            out = out * (self.State.calls + 1)
+        return out
+
+
+def _counting(function):
+    def wrapper(*args, **kwargs):
+        wrapper.calls = getattr(wrapper, "calls", 0) + 1  # created on the first call
+        return function(*args, **kwargs) * (wrapper.calls + 1)
+
+    return wrapper
+
+
+class _LazyWrapperCounter(TorchDispatchMode):
+    @staticmethod
+    @_counting
+    def scale(out):
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return self.scale(out) if func is torch.ops.aten.sin.default else out
+
+
+def _no_grad_nonlocal():
+    n = 0
+
+    class NoGradNonlocal(TorchDispatchMode):
+        @torch.no_grad()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal n
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.sin.default:
+                n += 1
+                out = out * (n + 1)
+            return out
+
+    return NoGradNonlocal
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("make, expected", [
+    pytest.param(lambda: _NestedState, "replayed", id="a nested class's counter (recorded)"),
+    pytest.param(lambda: _LazyWrapperCounter, "replayed", id="a decorator's counter made on first use (recorded)"),
+    pytest.param(_no_grad_nonlocal, "plain", id="a nonlocal under torch.no_grad() on __torch_dispatch__ (refused)"),
+])
+def test_state_in_referenced_classes_and_wrappers_is_recorded_or_refused(make, expected, use_reentrant):
+    base = make()
+
+    def fresh():
+        for klass in base.__mro__:
+            if "State" in vars(klass):
+                klass.State.calls = 0
+        scale = vars(base).get("scale")
+        if scale is not None and hasattr(scale.__func__, "calls"):
+            del scale.__func__.calls
+        return ckpt_guard.replayable_mode(type("Marked", (base,), {}))
+
+    def step(marked, how):
+        torch.manual_seed(0)
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        with marked():
+            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
+            y.sum().backward()
+        return [y.detach(), x.grad, w.grad]
+
+    with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        repaired = step(fresh(), "checkpoint")
+    if expected == "plain":
+        assert [event.action for event in events] == ["fallback: no checkpoint"]
+        return
+    reference = step(fresh(), "plain")
+    assert_all_close(repaired, reference)
+    assert [event.action for event in events] == [replayed(use_reentrant)]
