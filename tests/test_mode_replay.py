@@ -89,7 +89,7 @@ def _step(mode_class, how, use_reentrant=False, backward_inside=False, **options
             y.sum().backward()
     if not backward_inside:
         y.sum().backward()
-    state = [torch.tensor(float(mode.seen))]
+    state = [torch.tensor(float(mode.seen))] if hasattr(mode, "seen") else []
     if hasattr(mode, "generator"):
         state.append(torch.rand(2, generator=mode.generator))  # the program's next draw
     return [y.detach(), x.grad, w.grad, *state]
@@ -981,13 +981,7 @@ def test_state_outside_the_instance_keeps_the_plain_run(make, use_reentrant):
     marked = ckpt_guard.replayable_mode(type("Marked", (make(),), {}))
 
     def step(how):
-        torch.manual_seed(0)
-        w = torch.randn(3, requires_grad=True)
-        x = torch.randn(4, 3, requires_grad=True)
-        with marked():
-            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
-            y.sum().backward()
-        return [x.grad, w.grad]
+        return _step(marked, how, use_reentrant, backward_inside=True)
 
     first, second = step("plain"), step("plain")
     assert not torch.equal(first[0], second[0])  # its state lives outside the object: it moved on
@@ -1085,13 +1079,7 @@ def test_a_number_kept_in_a_cell_or_on_a_function_keeps_the_plain_run(make, use_
     marked = ckpt_guard.replayable_mode(type("Marked", (make(),), {}))
 
     def step(how):
-        torch.manual_seed(0)
-        w = torch.randn(3, requires_grad=True)
-        x = torch.randn(4, 3, requires_grad=True)
-        with marked():
-            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
-            y.sum().backward()
-        return [x.grad, w.grad]
+        return _step(marked, how, use_reentrant, backward_inside=True)
 
     with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
@@ -1290,21 +1278,12 @@ def test_state_in_referenced_classes_and_wrappers_is_recorded_or_refused(make, e
             del scale.__func__.calls
         return ckpt_guard.replayable_mode(type("Marked", (base,), {}))
 
-    def step(marked, how):
-        torch.manual_seed(0)
-        w = torch.randn(3, requires_grad=True)
-        x = torch.randn(4, 3, requires_grad=True)
-        with marked():
-            y = block(x, w) if how == "plain" else checkpoint(block, x, w, use_reentrant=use_reentrant)
-            y.sum().backward()
-        return [y.detach(), x.grad, w.grad]
-
     with ckpt_guard.policy("fallback"), ckpt_guard.record() as events, warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
-        repaired = step(fresh(), "checkpoint")
+        repaired = _step(fresh(), "checkpoint", use_reentrant, backward_inside=True)
     if expected == "plain":
         assert [event.action for event in events] == ["fallback: no checkpoint"]
         return
-    reference = step(fresh(), "plain")
+    reference = _step(fresh(), "plain", backward_inside=True)
     assert_all_close(repaired, reference)
     assert [event.action for event in events] == [replayed(use_reentrant)]
