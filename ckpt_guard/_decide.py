@@ -767,11 +767,7 @@ def _checked_call(
     """
     if not reentrant or _is_grad_enabled():
         TORCH_RECOMPUTES[0] += 1
-        _state.RECORDING_MODES.on = False  # the call's records are what the recompute compares with
-        try:
-            state = capture(reads, args, kwargs)
-        finally:
-            _state.RECORDING_MODES.on = True
+        state = _capture_without_mode_records(reads, args, kwargs)  # the call's records are what it compares with
         replays = ()
         if _differs(state, forward_state):
             replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
@@ -791,6 +787,16 @@ def _checked_call(
     result = function(*args, **kwargs)
     drew[0] = _state.drew_random(before)
     return _watch_output(result, reads, config, forward_state, site, nested)
+
+
+def _capture_without_mode_records(reads: Any, args: tuple = (), kwargs: Optional[dict] = None) -> tuple:
+    """:func:`capture`, taking no record of the user's replayable modes: only the call takes one (a
+    record copies the mode's tensors); the recompute compares with the call's."""
+    _state.RECORDING_MODES.on = False
+    try:
+        return capture(reads, args, kwargs)
+    finally:
+        _state.RECORDING_MODES.on = True
 
 
 class RerunNonReentrant(Exception):
@@ -821,7 +827,8 @@ def _reentrant_forward_keeping_the_cache(
         if drew is not None:  # preserve_rng_state=False (CKG107)
             drew[0] = _state.drew_random(before)
         return output
-    if _state.updated_in_place(versions) or _state.modes_updated_in_place([forward_state[i] for i in _MODE_INDICES]):
+    modes = [forward_state[i] for i in _MODE_INDICES]
+    if _state.updated_in_place(versions) or _state.modes_updated_in_place(modes):
         forward_site_text = _describe_forward_site(site)
         _report_at_recompute(
             _CONTENTS_RULE, "fallback", forward_site_text, when="after the reentrant forward",
@@ -835,7 +842,7 @@ def _reentrant_forward_keeping_the_cache(
             ),
         )
     _state.restore_contents(_state.changed_at_all(contents))
-    _state.put_back_modes([forward_state[i] for i in _MODE_INDICES])  # a marked mode's counter, ...
+    _state.put_back_modes(modes)  # a marked mode's counter, its generator, its tensors
     _torch.set_rng_state(before[0])
     if devices:
         _torch_checkpoint.set_device_states(devices, device_rng)
@@ -1388,12 +1395,8 @@ def composable_instead(
     else:
         if not grad or (state is not None and applying_rules(state)):
             return None  # nothing will be recomputed, or the user switched off the rule for this
-        _state.RECORDING_MODES.on = False  # only swaps and transforms matter here, not a mode's record
-        try:
-            state_now = capture(_reads_target(function, args))
-        finally:
-            _state.RECORDING_MODES.on = True
-        rule = _anticipated_rule(config, state_now)
+        # only swaps and transforms matter here, not a mode's record
+        rule = _anticipated_rule(config, _capture_without_mode_records(_reads_target(function, args)))
         if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
             return None
         anticipated = True
