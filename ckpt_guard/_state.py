@@ -1479,6 +1479,12 @@ def _user_modes_off() -> Iterator[None]:
 
 
 def mode_record(mode: object) -> Optional[ModeRecord]:
+    """:func:`_mode_record`, unseen by the user's modes (a function mode sees a tensor's ``_version`` read)."""
+    with _user_modes_off():
+        return _mode_record(mode)
+
+
+def _mode_record(mode: object) -> Optional[ModeRecord]:
     """A replayable mode's state as the call finds it, or None if it cannot be put back.
 
     Its instance attributes and what they hold, four containers deep; a copy
@@ -1687,6 +1693,11 @@ def _same_bits(tensor: Tensor, copy: Tensor) -> bool:
 
 def _mode_moved(record: ModeRecord) -> bool:
     """Whether a replayable mode's state changed since ``record`` in a way its results can depend on."""
+    with _user_modes_off():  # the comparisons (tensor versions, generator states) unseen by the user's modes
+        return _mode_state_moved(record)
+
+
+def _mode_state_moved(record: ModeRecord) -> bool:
     return (
         bool(changed_at_all(record.contents))  # a log it appends to too: the mode may read its length
         or bool(moved_generators(record.generators))

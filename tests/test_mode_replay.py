@@ -1287,3 +1287,38 @@ def test_state_in_referenced_classes_and_wrappers_is_recorded_or_refused(make, e
     reference = _step(fresh(), "plain", backward_inside=True)
     assert_all_close(repaired, reference)
     assert [event.action for event in events] == [replayed(use_reentrant)]
+
+
+@ckpt_guard.replayable_mode
+class FunctionLog(TorchFunctionMode):
+    """Logs every function it sees, holding a tensor and a generator: the guard's record reads
+    their versions and states, which it must do unseen."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.ones(())
+        self.generator = torch.Generator().manual_seed(1)
+        self.log = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.log.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_function_mode_sees_no_read_of_the_record():
+    """The non-reentrant call (the reentrant one reads its inputs' requires_grad under the mode, as
+    it did before records existed); fallback where it replays (torch >= 2.8), else it runs plainly."""
+
+    def forward_log():
+        w = torch.randn(3, requires_grad=True)
+        x = torch.randn(4, 3, requires_grad=True)
+        mode = FunctionLog()
+        with mode:
+            checkpoint(block, x, w, use_reentrant=False)
+        return mode.log
+
+    raw = _raw_step(forward_log)
+    for policy in ("strict", "warn", "fallback") if QUIET_RECOMPUTE_HOOKS else ("strict", "warn"):
+        with ckpt_guard.policy(policy), warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointCompositionWarning)
+            assert forward_log() == raw
