@@ -1741,19 +1741,29 @@ def modes_to_replay(was: object, now: object, dispatch: bool) -> Optional[tuple]
 
 
 def mode_state_kept(replay: tuple) -> bool:
-    """Whether the recorded state can be put back: no held tensor updated in place where autograd
-    sees it since the call (:func:`_grad_tensors_updated`), none resized or re-typed in place.
-    """
+    """Whether the state recorded for a replay's modes can be put back (:func:`_records_kept`)."""
     _, pushed, restated = replay
-    records = [record for _, record in (*pushed, *restated)]
-    return not _grad_tensors_updated(records) and all(
+    return _records_kept([record for _, record in (*pushed, *restated)])
+
+
+def modes_updated_in_place(modes: Sequence[object]) -> bool:
+    """Whether a marked mode of these stacks updated a tensor it holds where autograd sees it, or
+    resized one, since the call: no forward can run again from the call's state then."""
+    records = [record for stack in modes for record in getattr(stack, "records", ()) if record is not None]
+    return not _records_kept(records)
+
+
+def _records_kept(records: Sequence[ModeRecord]) -> bool:
+    """Whether these records can be put back: no held tensor updated in place where autograd sees
+    it since the call (:func:`_held_tensors_updated`), none resized or re-typed in place."""
+    return not _held_tensors_updated(records) and all(
         tensor.shape == copy.shape and tensor.dtype == copy.dtype and tensor.stride() == copy.stride()
         for record in records for tensor, copy in record.copies
     )  # a held tensor resized or re-typed in place: its old value cannot be written back into it
 
 
-def _grad_tensors_updated(records: Sequence[ModeRecord]) -> bool:
-    """Any held tensor updated in place where autograd sees it (its version moved) since the call.
+def _held_tensors_updated(records: Sequence[ModeRecord]) -> bool:
+    """Any tensor a mode holds updated in place where autograd sees it (its version moved) since the call.
 
     One that needs a gradient: the recompute must use that very tensor.  One
     that needs none: without checkpointing, a backward through an operation
@@ -1765,13 +1775,6 @@ def _grad_tensors_updated(records: Sequence[ModeRecord]) -> bool:
         kind == "tensor" and _version_of(value) != version
         for record in records for _, value, kind, version in record.contents
     )
-
-
-def modes_updated_in_place(modes: Sequence[object]) -> bool:
-    """Whether a marked mode of these stacks updated a tensor it holds that needs a gradient, or
-    resized one, since the call: no forward can run again from the call's state then."""
-    records = [record for stack in modes for record in getattr(stack, "records", ()) if record is not None]
-    return not mode_state_kept(((), [(None, record) for record in records], []))
 
 
 def describe_mode_change(was: object, now: object) -> str:
