@@ -1822,11 +1822,14 @@ def only_state_moved(was: object, now: object) -> bool:
     return len(others) == len(instances) and all(a is b for a, b in zip(others, instances))
 
 
-def _write_quietly(tensor: Tensor, value: Tensor) -> None:
-    """``tensor``'s values set to ``value``'s as a dispatch mode's own update sets them: no version
-    counter moves (a saved tensor stays valid), unseen by the user's modes."""
+def _write_quietly(pairs: Sequence[tuple]) -> None:
+    """Each ``(tensor, value)``: the tensor's values set to ``value``'s as a dispatch mode's own update
+    sets them: no version counter moves (a saved tensor stays valid), unseen by the user's modes."""
+    if not pairs:
+        return
     with _user_modes_off(), torch.no_grad(), torch._C._AutoDispatchBelowADInplaceOrView():
-        tensor.copy_(value)
+        for tensor, value in pairs:
+            tensor.copy_(value)
 
 
 @contextlib.contextmanager
@@ -1835,12 +1838,10 @@ def _tensor_values(copies: Sequence[tuple]) -> Iterator[None]:
     with _user_modes_off():
         now = [(tensor, tensor.detach().clone()) for tensor, _ in copies]
     try:
-        for tensor, value in copies:
-            _write_quietly(tensor, value)
+        _write_quietly(copies)
         yield
     finally:
-        for tensor, value in now:
-            _write_quietly(tensor, value)
+        _write_quietly(now)
 
 
 @contextlib.contextmanager
@@ -1874,8 +1875,7 @@ def put_back_modes(modes: Sequence[object]) -> None:
             restore_contents(changed_at_all(record.contents))
             for _, generator, state in record.generators:
                 generator.set_state(state)
-            for tensor, value in record.copies:
-                _write_quietly(tensor, value)
+            _write_quietly(record.copies)
         for mode, record in zip(getattr(stack, "instances", ()), getattr(stack, "records", ())):
             if record is not None:
                 _put_class_values(type(mode), record.class_values)
