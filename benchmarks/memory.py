@@ -3,6 +3,7 @@
     python benchmarks/memory.py                  # every workload, full sizes (about 10 minutes on 2 cores)
     python benchmarks/memory.py --size medium    # smaller (the suite's memory tests use these)
     python benchmarks/memory.py --only hvp       # workloads whose name contains "hvp"
+    python benchmarks/memory.py --times          # time ratios only, measured side by side (below)
 
 Each variant runs in a fresh process (``MALLOC_MMAP_THRESHOLD_=65536`` so that
 glibc gives freed blocks back and RSS tells the truth, one thread).  After the
@@ -31,6 +32,12 @@ example: ``functional_call``, inner ``autograd.grad(create_graph=True)``, outer
 torch.func.jvp(net, (z, t), (v, 1))``, target from ``dudt.detach()``) with eager
 ``.backward()`` and under ``torch.func.grad``; per-sample gradients of a
 random-weight GPT-2 (with transformers installed).
+
+The table's times are one step per variant, each in its own process: on a
+noisy machine a row moves by +-15 % from run to run.  ``--times`` measures time
+alone, better: one process per workload, the variants taking turns step by step
+(``--repeat`` rounds after a warm-up), the fastest step of each; the ratios are
+measured side by side, so the machine's drift cancels.
 
 Targets (issue 17): never more memory than without checkpointing; at most
 0.5x the no-checkpoint peak for every workload but the ensemble's forward and
@@ -405,6 +412,45 @@ def measure(workload: str, variant: str, size: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def side_by_side(workload: str, size: str, repeat: int) -> Dict[str, float]:
+    """The fastest of ``repeat`` steps per variant, in this process, the variants taking turns."""
+    import gc
+    import warnings
+
+    import torch
+
+    torch.set_num_threads(1)
+    setup, variants, _ = WORKLOADS[workload]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        steps = {v: setup(torch, size, v) for v in variants if v not in ("fallback", "eager checkpoint")}
+        for step in steps.values():
+            step()  # a warm-up
+        best = {v: float("inf") for v in steps}
+        for _ in range(repeat):
+            for variant, step in steps.items():
+                gc.collect()
+                started = time.perf_counter()
+                result = step()
+                best[variant] = min(best[variant], time.perf_counter() - started)
+                del result
+    return best
+
+
+def _print_times(names, size: str, repeat: int) -> None:
+    print("| workload | no checkpoint s | ckpt_guard.checkpoint s | ratio |")
+    print("|---|---:|---:|---:|")
+    for workload in names:
+        best = side_by_side(workload, size, repeat)
+        if "ckpt_guard.checkpoint" not in best:
+            continue  # torch's own checkpoint under fallback (GPT-2): its time goes with the table
+        base, checked = best["no checkpoint"], best["ckpt_guard.checkpoint"]
+        ratio = round(checked / base, 2)
+        verdict = "met" if ratio <= 1.5 else "MISSED"
+        print(f"| {workload} | {base:.3f} | {checked:.3f} | {ratio:.2f}x (target <= 1.5x: {verdict}) |",
+              flush=True)
+
+
 def _available(workload: str) -> bool:
     if workload.startswith("gpt2"):
         try:
@@ -420,6 +466,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="", help="run only the workloads whose name contains this")
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--times", action="store_true", help="time ratios only, the variants side by side")
+    parser.add_argument("--repeat", type=int, default=5, help="with --times: rounds of steps (the fastest counts)")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child, size=args.size)))
@@ -431,6 +479,11 @@ def main(argv=None) -> int:
 
     names = [w for w in WORKLOADS if args.only in w and _available(w)]
     skipped = [w for w in WORKLOADS if args.only in w and not _available(w)]
+    if args.times:
+        print(f"torch {torch.__version__}, Python {platform.python_version()}, 1 thread, {args.size} sizes, "
+              f"fastest of {args.repeat} steps, variants side by side\n")
+        _print_times(names, args.size, args.repeat)
+        return 0
     results = {w: {v: measure(w, v, args.size) for v in WORKLOADS[w][1]} for w in names}
     if args.json:
         print(json.dumps(results, indent=2))
