@@ -8,7 +8,9 @@ undoes everything on ``uninstall()``:
 * the non-reentrant choke point, in ``torch.utils.checkpoint`` and in the copy
   that ``torch.distributed._composable.checkpoint_activation`` imported (also
   when that module is imported after ``install()``);
-* a classmethod shadowing ``CheckpointFunction.apply`` (the reentrant one).
+* a classmethod shadowing ``CheckpointFunction.apply`` (the reentrant one), and a
+  staticmethod shadowing its ``backward``, which notes whether the engine runs it
+  building a graph (CKG114).
 
 So ``checkpoint``, its curried form, ``checkpoint_sequential``, names bound
 before ``install()`` (``from torch.utils.checkpoint import checkpoint``,
@@ -199,6 +201,14 @@ def _patch_reentrant(tuc: Any) -> None:
     from . import _decide
 
     _set_attr(function_class, "apply", _layouts.guard_apply(raw_apply, _decide))
+    backward = inspect.getattr_static(function_class, "backward", None)
+    if isinstance(backward, staticmethod):  # CKG114 reads how the engine runs it
+        from . import _state
+
+        _set_attr(function_class, "backward", _layouts.guard_backward(backward.__func__, _state.reentrant_backward))
+    else:
+        _unguarded.append(f"CheckpointFunction.backward is a {type(backward).__name__}, not a staticmethod")
+        _unguarded_entry_points.append("a reentrant checkpoint under .backward(create_graph=True) (CKG114)")
     _interception.append("reentrant via CheckpointFunction.apply")
 
 

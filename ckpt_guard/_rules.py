@@ -841,6 +841,28 @@ _MODE_FALLBACK = (
     "updated in place, is raised as under strict"
 )
 
+def _probe_create_graph_backward(ckpt, use_reentrant):
+    """A gradient penalty: ``.backward(create_graph=True)``, then the input gradient's norm differentiated.
+
+    ``a`` scales the block's input, so the input gradient has a graph even when
+    the block's part of it has none: torch does not raise, the terms are missing.
+    """
+    import torch
+
+    torch.manual_seed(0)
+    a = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = ckpt(lambda h: torch.tanh(h @ w).pow(2), x * a, **_variant_kwargs(use_reentrant))
+    torch.autograd.backward(y.sum(), create_graph=True)
+    penalty = x.grad.pow(2).sum()
+    first = [t.grad.detach().clone() for t in (x, a, w)]
+    for t in (x, a, w):
+        t.grad = None
+    penalty.backward()
+    return [penalty.detach(), *first, *_grads(x, a, w)]
+
+
 _DRIFT_RULES = [
     Rule(
         id="CKG101",
@@ -1196,6 +1218,43 @@ _DRIFT_RULES = [
         probe=_probe_user_generator,
         read="generator_states",
         render="describe_generators",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    ),
+    Rule(
+        id="CKG114",
+        title="a reentrant checkpoint's backward was asked to build a graph (.backward(create_graph=True))",
+        stage="recompute",
+        variants=(REENTRANT,),
+        trigger=(
+            "loss.backward(create_graph=True) (or torch.autograd.backward with create_graph=True) "
+            "runs through a reentrant checkpoint, to differentiate the gradients again: a gradient "
+            "penalty on an input's .grad, a Hessian-vector product or Hessian trace from the "
+            "parameters' .grad (AdaHessian, Sophia-style optimizers), a mixed second derivative"
+        ),
+        symptom=(
+            "returns silently wrong second-order gradients: the reentrant recompute takes the "
+            "block's gradients with a backward of its own that builds no graph, so differentiating "
+            "them again sees constants (the block's parameters get no second-order gradient; "
+            "tensors before the block get only the terms that do not pass through it). torch "
+            "raises for torch.autograd.grad, and where nothing else gives the gradients a graph; "
+            "not here"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "pass use_reentrant=False (its recompute runs inside the backward asked for, so the "
+            "gradients keep their graph), or do not checkpoint the blocks whose gradients are "
+            "differentiated again"
+        ),
+        fallback=_UNFORESEEABLE_FALLBACK,
+        fallback_helps=False,
+        refs=("https://github.com/pytorch/pytorch/issues/33999",),
+        torch_note=(
+            "CheckpointFunction.backward runs torch.autograd.backward on the recomputed outputs "
+            "without create_graph"
+        ),
+        probe=_probe_create_graph_backward,
+        read="reentrant_backward_builds_graph",
+        render="describe_backward_graph",
         measured_on=("2.4.1", "2.13.0", "2.15.0"),
     ),
 ]

@@ -515,6 +515,55 @@ def describe_optimizer_steps(count: int) -> str:
 
 
 # --------------------------------------------------------------------------
+# the backward a reentrant recompute runs in (CKG114)
+#
+# torch's reentrant checkpoint takes the block's gradients with a backward of its
+# own, which builds no graph whatever the backward running it was asked for.  Under
+# ``.backward(create_graph=True)`` the gradients through the block are then constants:
+# a gradient penalty or a Hessian-vector product loses the block's terms, silently.
+# Grad mode when ``CheckpointFunction.backward`` starts is the engine's create_graph;
+# ``_layouts.guard_backward`` notes it here for the recompute to read.
+
+_REENTRANT_BACKWARD = threading.local()
+
+
+def reentrant_backward_builds_graph() -> bool:
+    """True inside a reentrant checkpoint's backward asked to build a graph (the read is gated by ``active``)."""
+    return True
+
+
+reentrant_backward_builds_graph.active = functools.partial(  # type: ignore[attr-defined]
+    getattr, _REENTRANT_BACKWARD, "builds_graph", False
+)
+# only a recompute inside such a backward matters: a block whose forward ran inside one (nested in a
+# recompute) and is recomputed by the inner, graph-free backward is what torch does without the guard
+reentrant_backward_builds_graph.relevant = lambda function, was, now: now is True and was is not True  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def reentrant_backward(builds_graph: bool) -> Iterator[None]:
+    """While a reentrant checkpoint's backward runs: whether it was asked to build a graph."""
+    outer = getattr(_REENTRANT_BACKWARD, "builds_graph", False)
+    _REENTRANT_BACKWARD.builds_graph = builds_graph
+    try:
+        yield
+    finally:
+        _REENTRANT_BACKWARD.builds_graph = outer
+
+
+reentrant_backward_builds_graph.describe_change = lambda was, now: (  # type: ignore[attr-defined]
+    "the backward running the recompute was asked to build a graph (create_graph=True); the "
+    "reentrant recompute's own backward builds none"
+)
+
+
+def describe_backward_graph(builds_graph: object) -> str:
+    if builds_graph is True:
+        return "a backward that builds a graph (create_graph=True)"
+    return "a forward outside such a backward"
+
+
+# --------------------------------------------------------------------------
 # what the block reads by reference, re-bound between forward and recompute (CKG110)
 #
 # A meta-optimizer (torchopt's MetaSGD, higher's differentiable optimizers)

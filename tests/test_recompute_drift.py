@@ -695,3 +695,91 @@ def test_a_user_context_fn_does_not_hide_a_mode_missing_at_recompute(recompute):
     else:
         for g, r in zip(guarded(), reference):
             torch.testing.assert_close(g, r)
+
+
+# --------------------------------------------------------------------------
+# CKG114: a reentrant checkpoint under .backward(create_graph=True)
+
+
+def _penalty_step(use_reentrant, nested: bool = False, create_graph: bool = True, retain_graph: bool = False):
+    """A gradient penalty through a residual pair of blocks (the inner one nested in the outer, or not)."""
+    torch.manual_seed(0)
+    a = torch.randn(4, requires_grad=True)
+    w, v = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def inner(h):
+        return torch.tanh(h @ v)
+
+    def outer(h):
+        h = torch.tanh(h @ w)
+        return checkpoint(inner, h, use_reentrant=use_reentrant) if nested and use_reentrant is not None else inner(h)
+
+    ckpt = no_checkpoint if use_reentrant is None else checkpoint
+    kwargs = {} if use_reentrant is None else {"use_reentrant": use_reentrant}
+    y = ckpt(outer, x * a, **kwargs).pow(2).sum()
+    torch.autograd.backward(y, create_graph=create_graph, retain_graph=retain_graph or None)
+    first = [t.grad.detach().clone() for t in (x, a, w, v)]
+    if not create_graph:
+        return first
+    penalty = x.grad.pow(2).sum()
+    for t in (x, a, w, v):
+        t.grad = None
+    penalty.backward()
+    return [*first, *(torch.zeros_like(t) if t.grad is None else t.grad for t in (x, a, w, v))]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_through_a_reentrant_checkpoint_is_caught_once_even_when_nested():
+    """Strict raises (CKG114); warn warns once, for the outer block only (the inner one is recomputed
+    by torch's own graph-free backward, as without the guard), then matches raw torch bitwise."""
+    reference = _penalty_step(None)
+    with pytest.raises(CheckpointCompositionError, match=r"create_graph=True") as info:
+        _penalty_step(True, nested=True)
+    assert info.value.rule.id == "CKG114"
+    ckpt_guard.uninstall()
+    raw = _penalty_step(True, nested=True)
+    assert not all_close(raw, reference)  # the symptom: torch drops the second-order terms
+    ckpt_guard.install("warn")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        warned = _penalty_step(True, nested=True)
+    ids = [w.message.rule.id for w in record if issubclass(w.category, CheckpointCompositionWarning)]
+    assert ids == ["CKG114"]
+    assert all(torch.equal(a, b) for a, b in zip(warned, raw))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("case", ["non-reentrant", "retain_graph only", "first order"])
+def test_create_graph_rule_stays_quiet_where_torch_is_right(case):
+    """Non-reentrant under create_graph=True, and reentrant without it (retain_graph=True alone
+    keeps a graph but builds none): no rule fires, and the results are raw torch's, bitwise."""
+    use_reentrant = case != "non-reentrant"
+    create_graph = case == "non-reentrant"
+    retain_graph = case == "retain_graph only"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        guarded = _penalty_step(use_reentrant, nested=True, create_graph=create_graph, retain_graph=retain_graph)
+    ckpt_guard.uninstall()
+    raw = _penalty_step(use_reentrant, nested=True, create_graph=create_graph, retain_graph=retain_graph)
+    assert all(torch.equal(a, b) for a, b in zip(guarded, raw))
+    assert_all_close(guarded, _penalty_step(None, create_graph=create_graph, retain_graph=retain_graph))
+
+
+def test_autograd_grad_through_a_reentrant_checkpoint_keeps_torchs_own_error():
+    """torch refuses torch.autograd.grad through a reentrant checkpoint before any recompute: that
+    error passes through untouched (CKG114 is about .backward(create_graph=True), which it allows)."""
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = checkpoint(lambda h: torch.tanh(h @ w), x, use_reentrant=True).sum()
+    with pytest.raises(RuntimeError, match=r"\.grad\(\)") as info:
+        torch.autograd.grad(y, x, create_graph=True)
+    assert not isinstance(info.value, CheckpointCompositionError)
+
+
+def test_uninstall_puts_back_torchs_reentrant_backward():
+    from torch.utils.checkpoint import CheckpointFunction
+
+    assert getattr(CheckpointFunction.backward, "__ckpt_guard_original__", None) is not None
+    ckpt_guard.uninstall()
+    assert not hasattr(CheckpointFunction.backward, "__ckpt_guard_original__")
