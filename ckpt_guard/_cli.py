@@ -372,18 +372,72 @@ def _cmd_explain(rule_id: str) -> int:
     out += _wrapped("torch versions:", rule.torch_versions)
     out.append("")
     out.append(
-        "minimal reproduction (the rule's live probe: ckpt is torch.utils.checkpoint.checkpoint, "
-        "use_reentrant=True for the reentrant variant, False for non-reentrant; "
-        f"'{PROG}' runs it with and without the guard):"
+        "minimal reproduction (the rule's live probe, as a script: save it and run it with python; "
+        "it compares the uncheckpointed run with torch's checkpoint for each variant; uncomment "
+        f"its ckpt_guard line to see the guard catch it; '{PROG}' runs every probe with and "
+        "without the guard):"
     )
     out.append("")
     try:
-        source = _source_with_helpers(rule.probe)
+        source = _reproduction(rule)
     except (OSError, TypeError) as exc:
         source = f"<source not available: {exc}>"
     out.append(source)
     print("\n".join(out))
     return 0
+
+
+_REPRODUCTION_HEADER = '''"""{title} ({id}): the uncheckpointed run against torch's checkpoint."""
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.utils.checkpoint
+
+# import ckpt_guard; ckpt_guard.install("strict")  # uncomment: the guard catches it
+'''
+
+_REPRODUCTION_DRIVER = '''
+
+def no_checkpoint(function, *args, use_reentrant=None, **kwargs):
+    """The reference: the same call as checkpoint's, run plainly."""
+    kwargs.pop("preserve_rng_state", None)
+    kwargs.pop("context_fn", None)
+    return function(*args, **kwargs)
+
+
+def matches(actual, expected) -> bool:
+    try:
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a, e, equal_nan=True)
+    except AssertionError:
+        return False
+    return len(actual) == len(expected)
+
+
+if __name__ == "__main__":
+    reference = {probe}(no_checkpoint, None)
+    for use_reentrant in {variants}:
+        try:
+            result = {probe}(torch.utils.checkpoint.checkpoint, use_reentrant)
+        except Exception as exc:  # torch's own error, or the guard's if it is installed
+            print(f"use_reentrant={{use_reentrant}}: raises {{type(exc).__name__}}: {{str(exc).splitlines()[0][:200]}}")
+            continue
+        print(f"use_reentrant={{use_reentrant}}: matches the uncheckpointed run: {{matches(result, reference)}}")
+'''
+
+
+def _reproduction(rule: Any) -> str:
+    """The rule's probe as a script that runs: imports, the probe and its helpers, a driver."""
+    from ._rules import REENTRANT
+
+    variants = tuple(v == REENTRANT for v in rule.variants)
+    return (
+        _REPRODUCTION_HEADER.format(title=rule.title, id=rule.id)
+        + "\n\n"
+        + _source_with_helpers(rule.probe)
+        + "\n"
+        + _REPRODUCTION_DRIVER.format(probe=rule.probe.__name__, variants=variants)
+    )
 
 
 def _source_with_helpers(function: Any) -> str:

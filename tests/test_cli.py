@@ -316,6 +316,33 @@ def test_explain_prints_rule_and_probe_source(tmp_path):
     assert "return [grad(loss)(x)]" in result.stdout
 
 
+@pytest.mark.parametrize("rule_id", ["CKG001", "CKG006", "CKG113"])
+def test_explains_reproduction_runs_as_a_script(rule_id, tmp_path):
+    """The reproduction ``explain`` prints is a script: saved and run, it says for each variant what
+    torch does against the uncheckpointed run; with its ckpt_guard line uncommented, the guard raises."""
+    result = cli("explain", rule_id, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout[result.stdout.index('"""'):]
+    rule = rule_by_id(rule_id)
+    for guarded in (False, True):
+        path = tmp_path / f"{rule_id}_{guarded}.py"
+        path.write_text(script.replace("# import ckpt_guard;", "import ckpt_guard;") if guarded else script)
+        run = subprocess.run([sys.executable, "-W", "ignore", str(path)], cwd=str(tmp_path), env=_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        lines = run.stdout.splitlines()
+        assert [line.split(":")[0] for line in lines] == [
+            f"use_reentrant={variant == REENTRANT}" for variant in rule.variants
+        ], run.stdout
+        for line in lines:
+            if guarded:
+                assert f"raises CheckpointCompositionError: [{rule_id}]" in line, line
+            elif rule.always_raises:
+                assert "raises" in line and "CheckpointComposition" not in line, line
+            else:
+                assert line.endswith("matches the uncheckpointed run: False"), line
+
+
 def test_explain_unknown_id_exits_2(tmp_path):
     result = cli("explain", "NOPE", cwd=tmp_path)
     assert_one_line_usage_error(result, "'NOPE'", *RULE_IDS)
