@@ -135,12 +135,28 @@ def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, root
     stack from ``frame`` outward, else in one of ``roots`` (the modules a
     ``functional_call`` swapped); only when a rule fires, so it may be slow.
     """
+    segment = _sequential_segment(function)
+    if segment is not None:  # checkpoint_sequential: its closure holds every layer, it runs a few
+        first, last = _placed(segment[0], frame, roots), _placed(segment[-1], frame, roots)
+        if first is None or last is None or first[0] is not last[0]:
+            return f"a checkpoint_sequential segment of {len(segment)} modules"
+        span = first[1] if len(segment) == 1 else f"{first[1]}–{last[1]}"
+        return f"checkpoint_sequential segment {span} (in {type(first[0]).__name__})"
     reads = _reads.reads_of(function)
     modules = reads.whole or reads.partial
     if not modules:
         name = getattr(function, "__qualname__", None)
         return f"function {name}" if isinstance(name, str) else f"a {type(function).__name__} object"
     module = modules[0]
+    found = _placed(module, frame, roots)
+    if found is None:
+        return type(module).__name__
+    return f"{type(module).__name__} at {found[1]} (in {type(found[0]).__name__})"
+
+
+def _placed(module: Any, frame: Optional[FrameType], roots: Sequence[Any]) -> Optional[tuple]:
+    """``(outermost module holding it, its path there)``: from the ``self`` on the stack from
+    ``frame`` outward, else from one of ``roots``; None if neither holds it."""
     found = None
     while frame is not None:
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
@@ -152,11 +168,23 @@ def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, root
     for root in roots if found is None else ():
         path = _module_path(root, module) if root is not module else None
         if path:
-            found = (root, path)
-            break
-    if found is None:
-        return type(module).__name__
-    return f"{type(module).__name__} at {found[1]} (in {type(found[0]).__name__})"
+            return root, path
+    return found
+
+
+def _sequential_segment(function: Any) -> Optional[list]:
+    """The modules one ``checkpoint_sequential`` segment runs (``functions[start:end + 1]`` in the
+    closure of torch's ``run_function``), or None for any other function."""
+    code = getattr(function, "__code__", None)
+    if code is None or "run_function.<locals>" not in getattr(function, "__qualname__", ""):
+        return None
+    cells = dict(zip(code.co_freevars, function.__closure__ or ()))
+    try:
+        functions, start, end = (cells[name].cell_contents for name in ("functions", "start", "end"))
+        segment = list(functions)[start:end + 1]
+    except (KeyError, ValueError, TypeError):
+        return None
+    return segment if segment and all(isinstance(m, _torch.nn.Module) for m in segment) else None
 
 
 def describe_site(frame: Optional[FrameType]) -> str:

@@ -149,3 +149,32 @@ def test_a_meanflow_loss_is_told_what_torch_really_raises(installed_strict):
         return
     assert "[CKG104]" in message
     assert "A different number of tensors was saved" in message and "escaped from inside" not in message
+
+
+def test_checkpoint_sequential_segments_are_named_by_the_layers_they_run():
+    """checkpoint_sequential's closure holds every layer; the message names the segment's own
+    (a fresh-eyes review found it named the last layer of the model, which no segment runs)."""
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    class Body(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(6)))
+
+        def forward(self, x):
+            return checkpoint_sequential(self.body, 3, x, use_reentrant=False).sum()
+
+    net = Body()
+    ckpt_guard.install("warn")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError):  # warn: torch's own error follows (CKG001)
+                grad(net)(torch.randn(4))
+    finally:
+        ckpt_guard.uninstall()
+    lines = [
+        line.strip() for w in record if issubclass(w.category, CheckpointCompositionWarning)
+        for line in str(w.message).splitlines() if line.strip().startswith("checkpointed:")
+    ]
+    assert lines[0] == "checkpointed: checkpoint_sequential segment body.0–body.1 (in Body)", lines
