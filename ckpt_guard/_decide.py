@@ -248,7 +248,10 @@ _TRANSFORM_RULE_IDS = tuple(
 _SUGGESTS_CHECKPOINT = "or call ckpt_guard.checkpoint(block, *inputs)"
 
 
-def _fixes(rule: Rule, policy: str, source: str, remedy: str = "", worked: bool = False, fired: Sequence[str] = ()) -> list[str]:
+def _fixes(
+    rule: Rule, policy: str, source: str, remedy: str = "", worked: bool = False, fired: Sequence[str] = (),
+    fallback_text: str = "",
+) -> list[str]:
     """The remedy (``remedy`` where one fits this case better), then the policy changes that help.
 
     Each written for the channel that set the policy (environment,
@@ -258,7 +261,8 @@ def _fixes(rule: Rule, policy: str, source: str, remedy: str = "", worked: bool 
     where fallback ``worked`` (this call now runs correctly), no line turns
     the rule to warn or off (torch's error or wrong values would come back),
     only how to keep this without the warning.  ``fired``: every rule this
-    call broke, named together so one change fixes them all.
+    call broke, named together so one change fixes them all.  ``fallback_text``:
+    what fallback does in this very case, where the rule's general words would not fit.
     """
     set_rule = functools.partial(_config.how_to_set, source)
     fixes = [remedy or rule.remedy]
@@ -268,7 +272,7 @@ def _fixes(rule: Rule, policy: str, source: str, remedy: str = "", worked: bool 
     if rule.fallback_helps and policy != "fallback":
         fixes.append(
             f"use fallback, {set_rule('fallback', ids)} (or for all rules: {set_rule('fallback')}); "
-            f"fallback {rule.fallback}"
+            f"fallback {fallback_text or rule.fallback}"
         )
         if rule.id in _TRANSFORM_RULE_IDS and "ckpt_guard.checkpoint" not in fixes[0]:
             fixes.append(
@@ -313,6 +317,7 @@ def build_message(
     from_your_code: str = "",
     worked: bool = False,
     symptom: str = "",
+    fallback_text: str = "",
 ) -> str:
     # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
     lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
@@ -335,7 +340,7 @@ def build_message(
     if action:
         lines.append(f"  ckpt_guard: {action}")
     lines.append("  fix:")
-    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy, source, remedy, worked, also))
+    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy, source, remedy, worked, also, fallback_text))
     lines.append(f"  details: python -m ckpt_guard explain {rule.id}")
     return "\n".join(lines)
 
@@ -1037,7 +1042,8 @@ def report_drift(
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
             change=_describe_change(describe_change, was, now, function, render),
-            remedy=_case_remedy(rule, was, now),
+            remedy=_case_remedy(rule, was, now, repaired=bool(replay)),
+            fallback_text=_case_fallback(rule, was),
             symptom=_case_symptom(rule, was, now),
         )
         if replay:
@@ -1183,17 +1189,34 @@ def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
     return ""
 
 
-def _case_remedy(rule: Rule, was: Any, now: Any) -> str:
-    """A remedy that fits this very case, where the rule's general one would not."""
+def _case_fallback(rule: Rule, was: Any) -> str:
+    """What fallback does in this very case, where the rule's general words say more than fits."""
     if rule.read in ("user_dispatch_modes", "user_function_modes") and any(
         record is not None for record in getattr(was, "records", ())
     ):
-        rule_id = rule.id
         return (
-            "the mode is marked @ckpt_guard.replayable_mode, so policy fallback for this rule "
-            f"(ckpt_guard.install(..., rules={{'{rule_id}': 'fallback'}})) recomputes under the "
-            "forward's mode object with the state it had then; or keep the mode out of the "
-            "checkpointed region"
+            "checkpoints the block and recomputes it under the forward's own mode objects, with their "
+            "attributes, tensors and generators as the forward found them, put back after"
+        )
+    return ""
+
+
+def _case_remedy(rule: Rule, was: Any, now: Any, repaired: bool = False) -> str:
+    """A remedy that fits this very case, where the rule's general one would not (``repaired``:
+    fallback already made the recompute right)."""
+    if rule.read in ("user_dispatch_modes", "user_function_modes") and any(
+        record is not None for record in getattr(was, "records", ())
+    ):
+        if repaired:
+            return (
+                "nothing to change for correctness: the mode is marked @ckpt_guard.replayable_mode and "
+                "this recompute ran under the forward's mode object with the state it had then; to save "
+                "the replay's cost, keep the mode out of the checkpointed region"
+            )
+        return (
+            "the mode is marked @ckpt_guard.replayable_mode: policy fallback for this rule (next line) "
+            "makes this call right and keeps its memory saving (a non-reentrant call on torch < 2.8 "
+            "runs without checkpointing); or keep the mode out of the checkpointed region"
         )
     if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was):
         return (

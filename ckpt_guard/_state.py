@@ -1831,10 +1831,10 @@ def describe_mode_change(was: object, now: object) -> str:
     parts = [f"{describe_modes(was)} → {describe_modes(now)}"] if tuple.__ne__(was, now) else []  # type: ignore[arg-type]
     others = getattr(now, "instances", ())
     for i, (mode, record) in enumerate(zip(getattr(was, "instances", ()), getattr(was, "records", ()))):
-        if record is None or i >= len(others):
+        if record is None:
             continue
         name = type(mode).__name__
-        if others[i] is not mode:
+        if i < len(others) and others[i] is not mode:
             parts.append(f"another {name} object than the forward's is active at the recompute")
         elif _mode_moved(record):
             what = [_describe_state_change(record.contents)] if changed_at_all(record.contents) else []

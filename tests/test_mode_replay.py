@@ -1322,3 +1322,33 @@ def test_a_function_mode_sees_no_read_of_the_record():
         with ckpt_guard.policy(policy), warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointCompositionWarning)
             assert forward_log() == raw
+
+
+def test_the_words_for_a_marked_mode_say_what_is_left_to_do():
+    """Strict: one line offers fallback, in this case's words (a review found two saying the same,
+    one of 700 characters); the change line says which attribute moved though the mode is gone.
+    Fallback, repaired: nothing to change (a review found it told the user to do what they had done)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    mode = ReplayableScale()
+    with mode:
+        y = checkpoint(block, x, w, use_reentrant=True)
+    mode.seen += 5
+    with pytest.raises(CheckpointCompositionError) as info:
+        y.sum().backward()
+    message = str(info.value)
+    fixes = [line for line in message.splitlines() if line.startswith("    - ")]
+    assert sum("fallback" in line for line in fixes) == 2  # the remedy points to the next line, which sets it
+    assert sum("rules={'CKG102': 'fallback'}" in line for line in fixes) == 1
+    assert all(len(line) < 400 for line in fixes), fixes
+    assert "ReplayableScale.seen changed" in message
+
+    with ckpt_guard.policy("fallback"), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with mode:
+            y = checkpoint(block, x, w, use_reentrant=True)
+        y.sum().backward()
+    text = "\n".join(str(r.message) for r in record if issubclass(r.category, CheckpointCompositionWarning))
+    assert "    - nothing to change for correctness" in text, text
+    assert "rules={'CKG102': 'fallback'}" not in text, text
