@@ -1325,6 +1325,8 @@ def anticipate(
         source=config.source,
         anticipated=True,
         worked=True,
+        # what torch does when the recompute finds none of it (.backward() outside the transform)
+        symptom=_case_symptom(rule, forward_state[DRIFT_RULES.index(rule)], ()),
         action=(
             "ran it without checkpointing (policy fallback): nothing has gone wrong, but the "
             "recompute could run after this state changed, and then nothing could repair the "
@@ -1484,9 +1486,12 @@ def composable_instead(
             )
         for fired, fired_policy in firing or [(rule, "fallback")]:
             _events.emit(fired.id, fired_policy, event, site, "call")
+        # what torch does when the recompute finds none of it (.backward() outside the transform)
+        symptom = _case_symptom(rule, transforms, ()) if rule.read == "transform_stack" else ""
         _warn(build_message(
             rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
-            anticipated=anticipated, also=also, worked=True, **_where(function, transforms, site_frame),
+            anticipated=anticipated, also=also, worked=True, symptom=symptom,
+            **_where(function, transforms, site_frame),
         ), rule)
 
     return built, announce

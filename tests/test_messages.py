@@ -151,6 +151,29 @@ def test_a_meanflow_loss_is_told_what_torch_really_raises(installed_strict):
     assert "A different number of tensors was saved" in message and "escaped from inside" not in message
 
 
+def test_fallbacks_meanflow_warning_names_the_error_torch_really_raises():
+    """Under fallback the same loss runs (the composable recompute); its warning says what torch
+    would raise here (a review found it quoting the vmap error, which a jvp never gives)."""
+    net = Net()
+    z = torch.randn(5, 4)
+    ckpt_guard.install("fallback")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            u, dudt = torch.func.jvp(lambda t: net.blocks[1](checkpoint(net.blocks[0], t, use_reentrant=False)), (z,),
+                                     (torch.ones_like(z),))
+            (u - dudt.detach()).pow(2).sum().backward()
+    finally:
+        ckpt_guard.uninstall()
+    messages = [str(w.message) for w in record if issubclass(w.category, CheckpointCompositionWarning)]
+    assert messages, "fallback warns about the risk it acted on"
+    if rule_by_id("CKG007").holds_on(installed()):  # torch < 2.12: CKG007 explains it, at the call
+        assert messages[0].startswith("[CKG007]"), messages
+        return
+    assert messages[0].startswith("[CKG104] risk:"), messages
+    assert "A different number of tensors was saved" in messages[0] and "escaped from inside" not in messages[0]
+
+
 def test_checkpoint_sequential_segments_are_named_by_the_layers_they_run():
     """checkpoint_sequential's closure holds every layer; the message names the segment's own
     (a fresh-eyes review found it named the last layer of the model, which no segment runs)."""
