@@ -413,6 +413,7 @@ def decide_call(
     where = _where(function, state.transforms, site_frame)
 
     also = [other.id for other, _ in firing if other is not rule]
+    where["remedy"] = _call_case_remedy(rule, state, refused)
     if policy == "strict":
         message = _with_refusal(build_message(
             rule, site=site, variant=variant, policy=policy, source=config.source,
@@ -439,6 +440,23 @@ def decide_call(
         worked=policy == "fallback", **where,
     ), refused), rule)
     return AS_ASKED if outcome == PROCEED else outcome
+
+
+def _call_case_remedy(rule: Rule, state: _state.CallState, refused: str) -> str:
+    """A call-time remedy that fits this very case, where the rule's general one would not."""
+    if rule.id == "CKG002" and "grad" in state.transform_names:
+        # use_reentrant=False is refused under grad too (CKG001): the rule's first fix would lead there
+        if refused:
+            return f"{_FIX_MOVE_OUT} (under {_GRAD_TRANSFORMS} neither variant of torch's checkpoint works, see CKG001)"
+        return (
+            "checkpoint these blocks with ckpt_guard.checkpoint(block, *inputs): under "
+            f"{_GRAD_TRANSFORMS} use_reentrant=False is refused too (CKG001); or {_FIX_MOVE_OUT}"
+        )
+    return ""
+
+
+_GRAD_TRANSFORMS = "grad, vjp, jacrev or hessian"
+_FIX_MOVE_OUT = "move the checkpoint call outside the torch.func transform"
 
 
 def _with_refusal(message: str, refused: str) -> str:

@@ -201,3 +201,23 @@ def test_checkpoint_sequential_segments_are_named_by_the_layers_they_run():
         for line in str(w.message).splitlines() if line.strip().startswith("checkpointed:")
     ]
     assert lines[0] == "checkpointed: checkpoint_sequential segment body.0–body.1 (in Body)", lines
+
+
+def test_a_reentrant_checkpoint_under_grad_is_not_sent_to_use_reentrant_false():
+    """CKG002 under grad: use_reentrant=False is refused there too (CKG001), so the first fix is
+    ckpt_guard.checkpoint, and followed literally it gives the uncheckpointed gradient (a review
+    followed the old first fix straight into CKG001)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 3), torch.randn(4, 3)
+    block = lambda u: torch.tanh(u @ w)  # noqa: E731
+    ckpt_guard.install("strict")
+    try:
+        with pytest.raises(CheckpointCompositionError) as info:
+            grad(lambda t: checkpoint(block, t, use_reentrant=True).sum())(x)
+        first_fix = str(info.value).split("  fix:\n", 1)[1].splitlines()[0]
+        assert info.value.rule.id == "CKG002"
+        assert first_fix.startswith("    - checkpoint these blocks with ckpt_guard.checkpoint"), first_fix
+        followed = grad(lambda t: ckpt_guard.checkpoint(block, t).sum())(x)
+    finally:
+        ckpt_guard.uninstall()
+    torch.testing.assert_close(followed, grad(lambda t: block(t).sum())(x))
