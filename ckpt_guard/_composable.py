@@ -840,14 +840,29 @@ def plan(
         )
     built = Plan(function, args, kwargs, held, context_fn)
     lifted = {id(t) for t in built.inputs}
-    if any(id(t) not in lifted and _carries_gradient(t) for t in held.unbindable):
+    unlifted = [t for t in held.unbindable if id(t) not in lifted and _carries_gradient(t)]
+    if unlifted:
+        names = _global_names(function, unlifted[0])
+        which = f"the global {names}" if names else "a global"
         return (
-            "it reads a tensor that needs a gradient through a global, which cannot be passed to "
-            "the recompute as an input (its gradient would be lost)"
+            f"it reads a tensor that needs a gradient through {which}, which cannot be passed to "
+            "the recompute as an input (its gradient would be lost); pass it to the block as an "
+            "argument instead: ckpt_guard.checkpoint(block, x, w) with block(x, w)"
         )
     if not built.inputs:
         return "it reads no tensor: there is nothing to recompute"
     return built
+
+
+def _global_names(function: Any, tensor: Tensor) -> str:
+    """``W`` or ``W, W2``: the module-level names the block's code reads ``tensor`` through, for messages."""
+    code_owners = [function, getattr(function, "func", None), getattr(getattr(function, "forward", None), "__func__", None)]
+    names = []
+    for owner in code_owners:
+        namespace = getattr(owner, "__globals__", None)
+        if isinstance(namespace, dict):
+            names += [name for name, value in namespace.items() if value is tensor and name not in names]
+    return ", ".join(names)
 
 
 _PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)

@@ -410,6 +410,8 @@ def decide_call(
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
     variant = describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
+    if refused:
+        variant = "ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)"
     where = _where(function, state.transforms, site_frame)
 
     also = [other.id for other, _ in firing if other is not rule]
@@ -463,8 +465,10 @@ def _with_refusal(message: str, refused: str) -> str:
     """``message`` with why ckpt_guard.checkpoint's composable recompute refused (and no fix suggesting it)."""
     if not refused:
         return message
-    kept = "\n".join(line for line in message.splitlines() if _SUGGESTS_CHECKPOINT not in line)
-    return f"{kept}\n  ckpt_guard.checkpoint could not use its composable recompute here: {refused}"
+    lines = [line for line in message.splitlines() if _SUGGESTS_CHECKPOINT not in line]
+    why = f"  ckpt_guard.checkpoint could not use its composable recompute here: {refused}"
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("  variant:")), len(lines))
+    return "\n".join([*lines[:at], why, *lines[at:]])  # the cause next to the variant, before the fixes
 
 
 def _non_reentrant_will_do(state: _state.CallState, config: _config.Config, function: Any) -> bool:

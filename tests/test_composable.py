@@ -137,6 +137,36 @@ def test_public_checkpoint_refuses_what_it_cannot_lift_and_names_it():
     assert f"{__file__}:" in message.split("_ClassHeld.weight", 1)[1]  # the block's line that read it
 
 
+_GLOBAL_WEIGHT = None
+
+
+def _reads_the_global(t):
+    return (t @ _GLOBAL_WEIGHT).sin()
+
+
+def test_a_tensor_read_through_a_global_is_named_with_the_fix_next_to_the_variant():
+    """The refusal names the global and says to pass it as an argument; it stands right after the
+    variant line (which says ckpt_guard.checkpoint, not use_reentrant=False), before the fixes."""
+    global _GLOBAL_WEIGHT
+    x = torch.randn(4, 3)
+
+    def loss(weight):
+        global _GLOBAL_WEIGHT
+        _GLOBAL_WEIGHT = weight
+        try:
+            return ckpt_guard.checkpoint(_reads_the_global, x).sum()
+        finally:
+            _GLOBAL_WEIGHT = None
+
+    with pytest.raises(CheckpointCompositionError) as info:
+        grad(loss)(torch.randn(3, 3))
+    lines = str(info.value).splitlines()
+    variant = next(i for i, line in enumerate(lines) if line.startswith("  variant:"))
+    assert lines[variant] == "  variant: ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)"
+    assert "through the global _GLOBAL_WEIGHT" in lines[variant + 1], lines
+    assert "pass it to the block as an argument" in lines[variant + 1], lines
+
+
 _W = torch.randn(3, 3)
 _X = torch.randn(4, 3)
 _BATCH = torch.randn(5)
