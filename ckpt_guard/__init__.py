@@ -84,7 +84,10 @@ def policy(policy: str, *, rules: RulesArg = None) -> Iterator[None]:
 
     The scope replaces the installed configuration entirely (installed
     per-rule overrides do not leak in) and is private to the current thread /
-    asyncio task.  It has an effect only while the guard is installed.
+    asyncio task.  ``ckpt_guard.checkpoint`` calls follow it whether or not the
+    guard is installed; torch's own checkpoint calls only while it is
+    (``install()``): without it, ``current_config()`` names the scope's policy,
+    but nothing intercepts torch's checkpoint.
     """
     from . import _config
 
