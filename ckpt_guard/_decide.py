@@ -32,13 +32,16 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _layouts, _proof, _reads, _rebind, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
-from ._rules import RNG_RULE as _RNG_RULE, Rule, rules_on
+from ._rules import NON_REENTRANT, RNG_RULE as _RNG_RULE, Rule, rules_on
 
 #: The installed torch, and the call-time rules whose claim holds on it (in table order).
 TORCH = _versions.installed()
 CALL_RULES_HERE = rules_on(TORCH, CALL_RULES)
 # per drift rule (DRIFT_RULES order): does its claim hold on this torch?
 _DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
+# per drift rule: is it about the non-reentrant variant too? (CKG114 is not: a non-reentrant
+# recompute started inside a reentrant backward is no business of it)
+_DRIFT_NON_REENTRANT = tuple(NON_REENTRANT in rule.variants for rule in DRIFT_RULES)
 
 # What a call-time decision asks the patch point to do.
 PROCEED = "proceed"  # run torch's checkpoint as asked
@@ -73,23 +76,25 @@ _STDLIB_HELPERS = frozenset(
 )
 
 
-# code object -> is it library code?  Bounded: generated code (exec, torch.fx)
-# makes new code objects forever, and each entry keeps one alive.
+# id(code object) -> (the code object, is it library code?).  Keyed by identity: hashing
+# a code object hashes its constants, and dynamo's rewritten code can hold a dict
+# (unhashable).  The entry keeps its code object alive, so the id is not reused while
+# cached.  Bounded: generated code (exec, torch.fx) makes new code objects forever.
 _library_codes: dict = {}
 _CACHE_LIMIT = 1024
 
 
 def _is_library_code(code: Any) -> bool:
     """Torch's, the guard's or a stdlib helper's code (cached per code object: hot path)."""
-    known = _library_codes.get(code)
-    if known is None:
+    known = _library_codes.get(id(code))
+    if known is None or known[0] is not code:
         if len(_library_codes) >= _CACHE_LIMIT:
             _library_codes.clear()
         filename = code.co_filename
-        known = _library_codes[code] = (
-            filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename in _STDLIB_HELPERS
+        known = _library_codes[id(code)] = (
+            code, filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename in _STDLIB_HELPERS,
         )
-    return known
+    return known[1]
 
 
 def user_frame(start: Optional[FrameType] = None) -> tuple[Optional[FrameType], int]:
@@ -1042,6 +1047,7 @@ def report_drift(
         if _differs(was, now)
         and (only is None or DRIFT_RULES[i].read in only)
         and _DRIFT_HOLDS[i]
+        and (reentrant or _DRIFT_NON_REENTRANT[i])
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]

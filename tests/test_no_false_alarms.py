@@ -352,6 +352,36 @@ def _graph_breaks():
     return sorted((reason.splitlines()[0], n) for reason, n in counters["graph_break"].items())
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_graph_break_inside_a_checkpointed_lambda_under_compile(fresh_dynamo, use_reentrant):
+    """Dynamo rewrites the code around a graph break with a dict among its constants, and a code
+    object hashes its constants: the guard's frame cache keyed on code crashed ("unhashable type:
+    'dict'") where raw torch runs (found by a review). Same values as raw torch, bitwise."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    def block(t):
+        torch._dynamo.graph_break()
+        return torch.tanh(lin(t))
+
+    def step():
+        torch._dynamo.reset()
+        lin.zero_grad(set_to_none=True)
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        fn = torch.compile(lambda t: tuc.checkpoint(lambda u: block(u), t, use_reentrant=use_reentrant).sum(),
+                           backend="eager")
+        fn(x).backward()
+        return [x.grad, lin.weight.grad, lin.bias.grad]
+
+    raw = step()
+    ckpt_guard.install("strict")
+    try:
+        guarded = step()
+    finally:
+        ckpt_guard.uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(guarded, raw))
+
+
 def _composable_compile_outcome(fullgraph):
     """What ``torch.compile`` makes of the composable ``checkpoint(module)``: values, or the error."""
     _reset_dynamo()
