@@ -1236,8 +1236,9 @@ _DRIFT_RULES = [
             "block's gradients with a backward of its own that builds no graph, so differentiating "
             "them again sees constants (the block's parameters get no second-order gradient; "
             "tensors before the block get only the terms that do not pass through it). torch "
-            "raises for torch.autograd.grad, and where nothing else gives the gradients a graph; "
-            "not here"
+            "raises only for torch.autograd.grad, and where nothing but the block would give the "
+            "gradients a graph (element 0 of tensors does not require grad); elsewhere it returns "
+            "them without a word"
         ),
         symptom_kind="silently wrong",
         remedy=(

@@ -766,6 +766,40 @@ def test_create_graph_rule_stays_quiet_where_torch_is_right(case):
     assert_all_close(guarded, _penalty_step(None, create_graph=create_graph, retain_graph=retain_graph))
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_rule_is_about_the_reentrant_block_only():
+    """A reentrant block inside a non-reentrant one: the outer recompute starts inside the inner
+    block's reentrant backward; CKG114 is about the reentrant block alone (a review saw it blame
+    the non-reentrant one too, and raise for it when the inner one was exempted)."""
+    def outer_step():
+        torch.manual_seed(0)
+        w, v = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(3, 4, requires_grad=True)
+
+        def outer(h):
+            h = torch.tanh(h @ w)
+            with ckpt_guard.policy("strict", rules={"CKG114": "off"}) if exempt else contextlib.nullcontext():
+                return checkpoint(lambda u: torch.tanh(u @ v), h, use_reentrant=True)
+
+        y = checkpoint(outer, x * 2, use_reentrant=False).pow(2).sum()
+        torch.autograd.backward(y, create_graph=True)
+        return [t.grad.detach().clone() for t in (x, w, v)]
+
+    ckpt_guard.install("warn")
+    exempt = False
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        outer_step()
+    blamed = [
+        line.strip() for w in record if issubclass(w.category, CheckpointCompositionWarning)
+        for line in str(w.message).splitlines() if line.strip().startswith("variant:")
+    ]
+    assert len(blamed) == 1 and blamed[0].startswith("variant: reentrant"), blamed
+    ckpt_guard.install("strict")
+    exempt = True
+    outer_step()  # the reentrant block exempted: nothing else to raise for
+
+
 def test_autograd_grad_through_a_reentrant_checkpoint_keeps_torchs_own_error():
     """torch refuses torch.autograd.grad through a reentrant checkpoint before any recompute: that
     error passes through untouched (CKG114 is about .backward(create_graph=True), which it allows)."""
