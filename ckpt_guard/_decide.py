@@ -32,7 +32,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _layouts, _proof, _reads, _rebind, _state, _versions
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
-from ._rules import NON_REENTRANT, RNG_RULE as _RNG_RULE, Rule, rules_on
+from ._rules import _FIX_MOVE, _GRAD_TRANSFORMS, NON_REENTRANT, RNG_RULE as _RNG_RULE, Rule, rules_on
 
 #: The installed torch, and the call-time rules whose claim holds on it (in table order).
 TORCH = _versions.installed()
@@ -414,9 +414,10 @@ def decide_call(
     rule, policy = _deciding(firing)
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
-    variant = describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
-    if refused:
-        variant = "ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)"
+    variant = (
+        "ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)" if refused
+        else describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
+    )
     where = _where(function, state.transforms, site_frame)
 
     also = [other.id for other, _ in firing if other is not rule]
@@ -454,16 +455,12 @@ def _call_case_remedy(rule: Rule, state: _state.CallState, refused: str) -> str:
     if rule.id == "CKG002" and "grad" in state.transform_names:
         # use_reentrant=False is refused under grad too (CKG001): the rule's first fix would lead there
         if refused:
-            return f"{_FIX_MOVE_OUT} (under {_GRAD_TRANSFORMS} neither variant of torch's checkpoint works, see CKG001)"
+            return f"{_FIX_MOVE} (under {_GRAD_TRANSFORMS} neither variant of torch's checkpoint works, see CKG001)"
         return (
             "checkpoint these blocks with ckpt_guard.checkpoint(block, *inputs): under "
-            f"{_GRAD_TRANSFORMS} use_reentrant=False is refused too (CKG001); or {_FIX_MOVE_OUT}"
+            f"{_GRAD_TRANSFORMS} use_reentrant=False is refused too (CKG001); or {_FIX_MOVE}"
         )
     return ""
-
-
-_GRAD_TRANSFORMS = "grad, vjp, jacrev or hessian"
-_FIX_MOVE_OUT = "move the checkpoint call outside the torch.func transform"
 
 
 def _with_refusal(message: str, refused: str) -> str:
@@ -1217,11 +1214,16 @@ def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
     return ""
 
 
+def _marked_modes_recorded(rule: Rule, was: Any) -> bool:
+    """CKG102/103 where the forward's user modes include a marked one whose state was recorded."""
+    return rule.read in ("user_dispatch_modes", "user_function_modes") and any(
+        record is not None for record in getattr(was, "records", ())
+    )
+
+
 def _case_fallback(rule: Rule, was: Any) -> str:
     """What fallback does in this very case, where the rule's general words say more than fits."""
-    if rule.read in ("user_dispatch_modes", "user_function_modes") and any(
-        record is not None for record in getattr(was, "records", ())
-    ):
+    if _marked_modes_recorded(rule, was):
         return (
             "checkpoints the block and recomputes it under the forward's own mode objects, with their "
             "attributes, tensors and generators as the forward found them, put back after"
@@ -1232,9 +1234,7 @@ def _case_fallback(rule: Rule, was: Any) -> str:
 def _case_remedy(rule: Rule, was: Any, now: Any, repaired: bool = False) -> str:
     """A remedy that fits this very case, where the rule's general one would not (``repaired``:
     fallback already made the recompute right)."""
-    if rule.read in ("user_dispatch_modes", "user_function_modes") and any(
-        record is not None for record in getattr(was, "records", ())
-    ):
+    if _marked_modes_recorded(rule, was):
         if repaired:
             return (
                 "nothing to change for correctness: the mode is marked @ckpt_guard.replayable_mode and "

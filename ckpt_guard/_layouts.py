@@ -324,7 +324,7 @@ def find_reentrant(module: Any) -> Tuple[type, Callable[..., Any]]:
 def guard_backward(original: Callable[..., Any], reentrant_backward: Callable[[bool], Any]) -> staticmethod:
     """The staticmethod that shadows ``CheckpointFunction.backward``: it notes whether the engine
     runs it building a graph (grad mode on entry is ``create_graph``), for CKG114's recompute read."""
-    is_grad_enabled = _torch_is_grad_enabled()
+    from torch import is_grad_enabled
 
     def backward(ctx, *grad_outputs):
         with reentrant_backward(is_grad_enabled()):
@@ -332,12 +332,6 @@ def guard_backward(original: Callable[..., Any], reentrant_backward: Callable[[b
 
     backward.__ckpt_guard_original__ = original  # type: ignore[attr-defined]
     return staticmethod(backward)
-
-
-def _torch_is_grad_enabled() -> Callable[[], bool]:
-    import torch
-
-    return torch.is_grad_enabled
 
 
 def guard_apply(raw_apply: Callable[..., Any], decide: Any) -> classmethod:

@@ -255,6 +255,7 @@ _COMPOSABLE_FALLBACK = (
 )
 
 _FIX_MOVE = "move the checkpoint call outside the torch.func transform"
+_GRAD_TRANSFORMS = "grad, vjp, jacrev or hessian"  # the transforms that run as functorch's grad
 _FIX_NR = "pass use_reentrant=False"
 
 _CALL_RULES = [
@@ -305,7 +306,7 @@ _CALL_RULES = [
         raises_match=r"must override the setup_context staticmethod",
         remedy=(
             f"{_FIX_NR} (on torch >= 2.12 it works under vmap, jvp, jacfwd and functionalize, "
-            f"see CKG007 for older torch; under grad, vjp, jacrev or hessian neither variant "
+            f"see CKG007 for older torch; under {_GRAD_TRANSFORMS} neither variant "
             f"works, see CKG001), or {_FIX_MOVE}"
         ),
         fallback=(
@@ -840,6 +841,7 @@ _MODE_FALLBACK = (
     "seen missing at the recompute, or a tensor needing a gradient that a marked mode holds, "
     "updated in place, is raised as under strict"
 )
+
 
 def _probe_create_graph_backward(ckpt, use_reentrant):
     """A gradient penalty: ``.backward(create_graph=True)``, then the input gradient's norm differentiated.
