@@ -20,6 +20,13 @@ its peak RSS above the set-up and its time.  Variants:
   trained eagerly with ``loss.backward()``, the physical reference of what
   checkpointing saves (under ``vmap(grad)`` it computes one batch gradient, so
   it lacks the per-sample gradients the others hold).
+* ``every second block`` (``hvp vjp(grad)``): ``ckpt_guard.checkpoint`` on
+  blocks 0, 2, 4, ... only, the others called plainly: the memory-for-time
+  trade a user has today;
+* ``4 runs by hand`` (``hvp vjp(grad)``): the same Hessian-vector product in
+  plain autograd, no torch.func, each block recomputed in the fewest runs that
+  keeping one block's activations at a time allows (see
+  ``_vjp_of_grad_by_hand``): the least any checkpoint can cost there.
 
 Workloads (what torch.func users run, made deep enough that activations
 dominate): ``grad`` and ``vmap(grad)`` of an MLP through ``functional_call``;
@@ -222,6 +229,12 @@ def _ensemble(how):
     return setup
 
 
+#: ``hvp vjp(grad)``'s extra variants: what reverse over reverse costs at the least, and the
+#: memory-for-time trade a user has today
+BY_HAND = "4 runs by hand"
+EVERY_SECOND = "every second block"
+
+
 def _hvp(how):
     def setup(torch, size, variant):
         from torch.func import functional_call, grad, jvp, vjp
@@ -231,12 +244,76 @@ def _hvp(how):
         data = torch.randn(batch, width)
         params = {k: v.detach() for k, v in net.named_parameters()}
         direction = {k: torch.randn_like(v) for k, v in params.items()}
+        if variant == BY_HAND:
+            return lambda: _vjp_of_grad_by_hand(torch, net, data, direction)
+        if variant == EVERY_SECOND:
+            import ckpt_guard
+
+            chosen = {id(block) for block in net.blocks[::2]}
+            net.ckpt = lambda block, h: ckpt_guard.checkpoint(block, h) if id(block) in chosen else block(h)
         gradient = grad(lambda p: functional_call(net, p, (data,)).pow(2).mean())
         if how == "jvp(grad)":
             return lambda: jvp(gradient, (params,), (direction,))[1]
         return lambda: vjp(gradient, params)[1](direction)
 
     return setup
+
+
+def _vjp_of_grad_by_hand(torch, net, data, direction):
+    """``gradient, vjp_fn = vjp(grad(loss), params)`` and ``vjp_fn(direction)``, with each block's activations recomputed, in plain
+    autograd: the fewest runs of each block that keeping one block's activations at a time allows.
+
+    1. the forward, keeping only each block's input;
+    2. the gradient, last block to first: each block recomputed for its vjp;
+    3. the outer vjp through those vjps, first block to last: each block recomputed, its vjp
+       taken with a graph and differentiated again;
+    4. the outer vjp through the forward, last block to first: each block recomputed for its vjp
+       with the cotangent of its output, which only now is complete.
+
+    Runs 3 and 4 cannot share a recompute: every block's step 3 comes before any block's step 4.
+    """
+    grad = torch.autograd.grad
+    blocks = list(net.blocks)
+    names = [[f"blocks.{i}.{name}" for name, _ in block.named_parameters()] for i, block in enumerate(blocks)]
+    weights = [list(block.parameters()) for block in blocks]
+
+    def leaf(t):
+        return t.detach().requires_grad_()
+
+    inputs = [data]
+    with torch.no_grad():  # 1
+        for block in blocks:
+            inputs.append(block(inputs[-1]))
+    out_grads = [None] * len(blocks) + [2 * inputs[-1] / inputs[-1].numel()]  # d mean(h^2) / dh
+    gradient = {}  # vjp(grad(loss), params) computes it too (block 0's input is the data)
+    for i in range(len(blocks) - 1, -1, -1):  # 2
+        x = leaf(inputs[i]) if i > 0 else inputs[0]
+        into = list(grad(blocks[i](x), [x, *weights[i]] if i > 0 else weights[i], out_grads[i + 1]))
+        out_grads[i] = into.pop(0) if i > 0 else None
+        gradient.update(zip(names[i], into))
+    result = {}
+    input_cotangents = [None] * len(blocks)
+    cotangent = None  # of the block's input gradient, from the block before
+    for i, block in enumerate(blocks):  # 3
+        x, g = leaf(inputs[i]), leaf(out_grads[i + 1])
+        x_grad, *weight_grads = grad(block(x), [x, *weights[i]], g, create_graph=True)
+        directions = [direction[name] for name in names[i]]
+        if i == 0:  # the data's gradient is not an output
+            cotangent, *second = grad(weight_grads, [g, *weights[i]], directions)
+        else:
+            input_cotangents[i], cotangent, *second = grad(
+                [x_grad, *weight_grads], [x, g, *weights[i]], [cotangent, *directions])
+        result.update(zip(names[i], second))
+    cotangent = 2 * cotangent / inputs[-1].numel()  # through d mean(h^2) / dh
+    for i in range(len(blocks) - 1, -1, -1):  # 4
+        x = leaf(inputs[i]) if i > 0 else inputs[0]
+        wrt = [x, *weights[i]] if i > 0 else weights[i]
+        into = list(grad(blocks[i](x), wrt, cotangent))
+        if i > 0:
+            cotangent = into.pop(0) + input_cotangents[i]
+        for name, value in zip(names[i], into):
+            result[name] = result[name] + value
+    return gradient, result
 
 
 def _hessian(torch, size, variant):
@@ -354,7 +431,7 @@ WORKLOADS: Dict[str, tuple] = {
     "ensemble autograd.grad": (_ensemble("autograd.grad"), PAIR, 1.0),
     "ensemble vmap(grad)": (_ensemble("vmap(grad)"), PAIR, 0.5),
     "hvp jvp(grad)": (_hvp("jvp(grad)"), PAIR, 0.5),
-    "hvp vjp(grad)": (_hvp("vjp(grad)"), PAIR, 0.5),
+    "hvp vjp(grad)": (_hvp("vjp(grad)"), (*PAIR, EVERY_SECOND, BY_HAND), 0.5),
     "hessian": (_hessian, PAIR, 0.5),
     "maml outer step": (_maml, PAIR, 0.5),
     "meanflow jvp .backward()": (_meanflow(".backward()"), PAIR, 0.5),
@@ -438,17 +515,19 @@ def side_by_side(workload: str, size: str, repeat: int) -> Dict[str, float]:
 
 
 def _print_times(names, size: str, repeat: int) -> None:
-    print("| workload | no checkpoint s | ckpt_guard.checkpoint s | ratio |")
+    print("| workload | no checkpoint s | checkpointed s | ratio |")
     print("|---|---:|---:|---:|")
     for workload in names:
         if "ckpt_guard.checkpoint" not in WORKLOADS[workload][1]:
             continue  # torch's own checkpoint under fallback (GPT-2): its time goes with the table
         best = side_by_side(workload, size, repeat)
-        base, checked = best["no checkpoint"], best["ckpt_guard.checkpoint"]
-        ratio = round(checked / base, 2)
-        verdict = "met" if ratio <= 1.5 else "MISSED"
-        print(f"| {workload} | {base:.3f} | {checked:.3f} | {ratio:.2f}x (target <= 1.5x: {verdict}) |",
-              flush=True)
+        base = best.pop("no checkpoint")
+        for variant, checked in best.items():  # ckpt_guard.checkpoint first, then any other
+            ratio = round(checked / base, 2)
+            verdict = "met" if ratio <= 1.5 else "MISSED"
+            shown = workload if variant == "ckpt_guard.checkpoint" else f"{workload}, {variant}"
+            print(f"| {shown} | {base:.3f} | {checked:.3f} | {ratio:.2f}x (target <= 1.5x: {verdict}) |",
+                  flush=True)
 
 
 def _available(workload: str) -> bool:
