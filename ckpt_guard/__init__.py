@@ -196,3 +196,8 @@ def __getattr__(name: str) -> Any:
 
         return Rule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    """The public names (with the lazy ``Event`` and ``Rule``), not this file's imports."""
+    return sorted([*__all__, "__version__"])

@@ -149,14 +149,22 @@ def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, root
         return f"checkpoint_sequential segment {span} (in {type(first[0]).__name__})"
     reads = _reads.reads_of(function)
     modules = reads.whole or reads.partial
+    while isinstance(function, functools.partial):  # transformers: partial(layer.__call__, **kwargs)
+        function = function.func
+    name = getattr(function, "__qualname__", None)
+    named = f"function {name}" if isinstance(name, str) else f"a {type(function).__name__} object"
     if not modules:
-        name = getattr(function, "__qualname__", None)
-        return f"function {name}" if isinstance(name, str) else f"a {type(function).__name__} object"
+        return named
     module = modules[0]
     found = _placed(module, frame, roots)
-    if found is None:
-        return type(module).__name__
-    return f"{type(module).__name__} at {found[1]} (in {type(found[0]).__name__})"
+    placed = type(module).__name__ if found is None else (
+        f"{type(module).__name__} at {found[1]} (in {type(found[0]).__name__})")
+    if isinstance(function, _torch.nn.Module) or isinstance(getattr(function, "__self__", None), _torch.nn.Module):
+        return placed  # the module itself, or one of its methods
+    if getattr(function, "__module__", None) == "torch._higher_order_ops.wrap":
+        graph = found[1] if found is not None else type(module).__name__  # the wrapper runs the traced graph
+        return f"a block traced by torch.compile (graph {graph})"
+    return f"{named}, which reads {placed}"  # a closure or lambda: not the module it reads
 
 
 def _placed(module: Any, frame: Optional[FrameType], roots: Sequence[Any]) -> Optional[tuple]:
@@ -229,10 +237,9 @@ def use_reentrant_defaulted() -> Optional[bool]:
 
 
 def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
+    """``defaulted`` is None where the call's frame is gone (at the recompute)."""
     if not reentrant:
         return "non-reentrant (use_reentrant=False)"
-    if defaulted is None:
-        return "reentrant"
     if defaulted:
         return "reentrant (use_reentrant was not passed: torch defaulted to use_reentrant=True)"
     return "reentrant (use_reentrant=True)"

@@ -203,6 +203,50 @@ def test_checkpoint_sequential_segments_are_named_by_the_layers_they_run():
     assert lines[0] == "checkpointed: checkpoint_sequential segment body.0–body.1 (in Body)", lines
 
 
+def _checkpointed_lines(program) -> list:
+    ckpt_guard.install("warn")
+    try:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError):  # warn: torch's own error follows (CKG001)
+                program()
+    finally:
+        ckpt_guard.uninstall()
+    return [
+        line.strip() for w in record if issubclass(w.category, CheckpointCompositionWarning)
+        for line in str(w.message).splitlines() if line.strip().startswith("checkpointed:")
+    ]
+
+
+class _Closures(torch.nn.Module):
+    def __init__(self, closure: bool) -> None:
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        self.closure = closure
+
+    def forward(self, x):
+        if self.closure:
+            return checkpoint(lambda h: self.block(h) * 2, x, use_reentrant=False).sum()
+        return checkpoint(self.block, x, use_reentrant=False).sum()
+
+
+def test_a_closure_is_named_as_the_function_that_reads_a_module_not_as_the_module():
+    """``checkpoint(lambda h: self.block(h) * 2, x)`` checkpoints a lambda that reads ``block``: the
+    message used to name the module alone, as for ``checkpoint(self.block, x)``."""
+    assert _checkpointed_lines(lambda: grad(_Closures(closure=False))(torch.randn(4))) == [
+        "checkpointed: Sequential at block (in _Closures)",
+    ]
+    assert _checkpointed_lines(lambda: grad(_Closures(closure=True))(torch.randn(4))) == [
+        "checkpointed: function _Closures.forward.<locals>.<lambda>, which reads _Closures",  # its closure: self
+    ]
+
+
+def test_a_block_traced_by_torch_compile_is_named_so_not_by_torchs_wrapper():
+    compiled = torch.compile(_Closures(closure=True), backend="eager")
+    lines = _checkpointed_lines(lambda: grad(compiled)(torch.randn(4)))
+    assert lines and all(line.startswith("checkpointed: a block traced by torch.compile (graph ") for line in lines), lines
+
+
 def test_a_reentrant_checkpoint_under_grad_is_not_sent_to_use_reentrant_false():
     """CKG002 under grad: use_reentrant=False is refused there too (CKG001), so the first fix is
     ckpt_guard.checkpoint, and followed literally it gives the uncheckpointed gradient (a review

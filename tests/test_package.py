@@ -1,4 +1,5 @@
-"""The package as users get it: its README example runs, its modules import no cycle, it is typed."""
+"""The package as users get it: its README example runs, its modules import no cycle, it is typed,
+its `dir()` is its API."""
 
 from __future__ import annotations
 
@@ -44,3 +45,12 @@ def test_the_package_is_typed():
     assert os.path.exists(os.path.join(PACKAGE, "py.typed"))
     pyproject = open(os.path.join(REPO_ROOT, "pyproject.toml"), encoding="utf-8").read()
     assert '"py.typed"' in pyproject
+
+
+def test_dir_lists_the_public_names_and_each_resolves():
+    """Tab completion shows the API, not the module's own imports (``Optional``, ``contextlib``)."""
+    import ckpt_guard
+
+    assert dir(ckpt_guard) == sorted([*ckpt_guard.__all__, "__version__"])
+    for name in dir(ckpt_guard):
+        assert getattr(ckpt_guard, name) is not None, name
