@@ -125,6 +125,17 @@ class UnrepeatableForward(RuntimeError):
     """
 
 
+class ChangedSinceForward(RuntimeError):
+    """A tensor the block reads was updated in place between its forward and this recompute.
+
+    The recompute would read the new values (an optimizer step, ``w.mul_(2)``
+    between ``vjp`` and its pullback, an in-place write through a view the
+    block returned) and return wrong gradients.  Autograd's own check on
+    saved tensors does not see it under torch.func: it compares the
+    version of the transform's wrapper, which never moves.
+    """
+
+
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
 SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 
@@ -197,6 +208,8 @@ class Plan:
         self.checked = False  # the run-time proof has run (on the first forward)
         self.check: Optional[_proof.ReadCheck] = None  # the forward's, while it runs
         self.versions: List[Optional[int]] = []
+        #: the inputs' versions once the forward has run: every recompute checks them
+        self.versions_after: List[Optional[int]] = []
         #: input index -> its value before the forward updated it in place (see for_recompute)
         self.pre_forward: dict = {}
         self.output_template: Any = None
@@ -312,6 +325,7 @@ class Plan:
             self._no_unseen_updates(tensors, check)
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
             self.check = None
+        self.versions_after = [_version(_base(t)) for t in tensors]
         # An input returned as is (a mask passed through) cannot also be saved for backward by a
         # Function with setup_context: return a copy of it instead (as large as that input).
         passed = {id(t) for t in (*tensors, *given)}
@@ -329,6 +343,10 @@ class Plan:
         checkpointing (each recompute updates a copy).  An input that needs
         a gradient is left as it is (it is what the recompute differentiates).
         """
+        for i, (t, was) in enumerate(zip(tensors, self.versions_after)):
+            if was is not None and i not in self.pre_forward and _version(_base(t)) != was:
+                self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
+                raise self._changed_since_forward(i, t, was)
         if not self.pre_forward:
             return tuple(tensors)
         return tuple(
@@ -370,6 +388,18 @@ class Plan:
                 "already updated it: it is not run again). Pass the block a copy (x.clone()), or make "
                 "the update outside the checkpointed block."
             )
+
+    def _changed_since_forward(self, i: int, t: Tensor, was: int) -> ChangedSinceForward:
+        held = [f"{type(module).__name__}.{name}" for module, _, name, index in self.slots if index == i]
+        what = f"{held[0]}, which the checkpointed block reads" if held else "a tensor the checkpointed block reads"
+        return ChangedSinceForward(
+            f"ckpt_guard's composable recompute: {what} "
+            f"(a {tuple(_base(t).shape)} tensor) was updated in place after the block's forward and "
+            f"before this recompute (its version was {was}, now {_version(_base(t))}). The recompute would "
+            "read the new values and return wrong gradients, so it stops here. Take the gradient "
+            "(backward, the vjp's pullback) before updating it (optimizer.step() after loss.backward()), "
+            "update a copy instead (w = w * 2, not w.mul_(2)), or call the block without checkpointing."
+        )
 
     def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)

@@ -438,6 +438,22 @@ def _probe_kwargs_and_tuple_output(ckpt, use_reentrant):
     return [a.detach(), b.detach(), *_grads(x, w, bias)]
 
 
+def _probe_namedtuple_output(ckpt, use_reentrant):
+    """A block that returns a namedtuple of tensors: a tuple to autograd.Function, so its
+    tensors get their gradients (the reentrant variant hands back a plain tuple)."""
+    import collections
+
+    import torch
+
+    Pair = collections.namedtuple("Pair", "hidden gate")
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, requires_grad=True)
+    x = torch.randn(4, 3, requires_grad=True)
+    hidden, gate = ckpt(lambda u: Pair(torch.tanh(u @ w), torch.sigmoid(u).sum(0)), x, **_variant_kwargs(use_reentrant))
+    (hidden.pow(2).sum() + gate.sin().sum()).backward()
+    return [hidden.detach(), gate.detach(), *_grads(x, w)]
+
+
 def _double_sin_dispatch_mode():
     """A user TorchDispatchMode class that doubles the result of aten.sin."""
     import torch
@@ -941,6 +957,12 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         description="keyword and non-tensor arguments to the function, a tuple output",
         variants=(NON_REENTRANT,),
         probe=_probe_kwargs_and_tuple_output,
+    ),
+    Composition(
+        name="namedtuple-output",
+        description="a block that returns a namedtuple of tensors (not CKG010: a tuple to autograd.Function)",
+        variants=BOTH,
+        probe=_probe_namedtuple_output,
     ),
     Composition(
         name="context-fn-reenters-mode",

@@ -916,10 +916,14 @@ def _reentrant_forward_keeping_the_cache(
 
 
 def _plain_output(output: Any) -> bool:
-    """A tensor, or a flat tuple (tensors and non-tensors): what an autograd.Function tracks."""
+    """A tensor, or a flat tuple (tensors and non-tensors): what an autograd.Function tracks.
+
+    A namedtuple is a tuple to it too: its tensors get their gradients (torch hands back a
+    plain tuple).
+    """
     if type(output) is _Tensor or isinstance(output, _Tensor):
         return True
-    if type(output) is tuple:
+    if isinstance(output, tuple):
         for item in output:
             if not isinstance(item, _Tensor) and (isinstance(item, (list, tuple, dict)) or _dataclasses.is_dataclass(item)):
                 return False

@@ -704,3 +704,98 @@ def test_every_way_of_naming_a_generator_is_replayed(draw, entry):
         return grad(lambda t: ckpt(block, t).pow(2).sum())(x), torch.rand(2, generator=generator), torch.rand(2)
 
     assert assert_right_or_refused(program, entry, refusable=False) is not None
+
+
+# --------------------------------------------------------------------------
+# a tensor the block reads, updated in place between its forward and its recompute
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x):
+        return torch.sin(self.lin(x) * self.scale)
+
+
+def _pullback_after(update, entry):
+    """``vjp`` of a checkpointed block, ``update()`` in place, then the pullback."""
+    net, x = _Scaled(), torch.randn(3, 4)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    _, pullback = vjp(lambda p: entry(lambda h: functional_call(net, p, (h,)), x).sum(), params)
+    update(net, params)
+    return pullback(torch.ones(()))[0]["lin.weight"]
+
+
+UPDATES = {
+    "a buffer": (lambda net, params: net.scale.fill_(5.0), r"_Scaled\.scale, which the checkpointed block reads"),
+    "a differentiated primal": (lambda net, params: params["lin.weight"].mul_(2.0), r"Linear\.weight, which the checkpointed block reads"),
+}
+
+
+@pytest.mark.parametrize("update", UPDATES)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_in_place_update_between_the_forward_and_the_recompute_raises_not_a_wrong_gradient(entry, update):
+    """The recompute would read the new values (a review found wrong gradients, no word): autograd's
+    check on saved tensors compares the torch.func wrapper's version, which never moves. Without
+    checkpointing the pullback uses what the forward saved; with checkpointing it must stop."""
+    policy, call = ENTRIES[entry]
+    change, named = UPDATES[update]
+    reference = _pullback_after(change, plain)
+    assert reference.abs().sum() > 0
+    ckpt_guard.install(policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallback's one line for the torch call (CKG001)
+        with pytest.raises(_composable.ChangedSinceForward, match=named + r"[\s\S]*updated in place after"):
+            _pullback_after(change, call)
+    ckpt_guard.install(policy)
+    with warnings.catch_warnings():  # no update: no alarm, the uncheckpointed gradient
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(_pullback_after(lambda *_: None, call), _pullback_after(lambda *_: None, plain))
+
+
+def test_an_optimizer_step_before_the_pullback_stops_bare_and_is_ckg108_under_fallback():
+    """Not installed, ``ckpt_guard.checkpoint`` alone used to return the stepped weights' gradient;
+    torch's checkpoint under fallback: the drift rule that explains the change (CKG108) speaks first."""
+    def pullback_after_a_step(entry):
+        net, x = _Scaled(), torch.randn(3, 4)
+        _, pullback = vjp(lambda h: entry(net, h).sum(), x)
+        for p in net.parameters():
+            p.grad = torch.ones_like(p)
+        torch.optim.SGD(net.parameters(), lr=0.5).step()
+        return pullback(torch.ones(()))[0]
+
+    ckpt_guard.uninstall()
+    with pytest.raises(_composable.ChangedSinceForward, match=r"Linear\.(weight|bias), which[\s\S]*updated in place"):
+        pullback_after_a_step(ckpt_guard.checkpoint)
+    ckpt_guard.install("fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fallback's one line for the call (CKG001)
+        with pytest.raises(CheckpointCompositionError, match="CKG108"):
+            pullback_after_a_step(torch_checkpoint)
+
+
+def test_a_module_run_twice_in_train_mode_is_no_alarm():
+    """A BatchNorm's running statistics move in each forward (the second call's too, before the first
+    call's recompute): the recompute starts from its own copy of them, so that is no change it reads."""
+    torch.manual_seed(0)
+    norm, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), torch.randn(8, 4)
+
+    def program(call):
+        def loss(p, b):  # the buffers an argument (not differentiated), as functorch's examples pass them
+            h = call(lambda t: functional_call(norm, (p, b), (t,)), x)
+            return call(lambda t: functional_call(norm, (p, b), (t,)), h.tanh()).pow(2).sum()
+
+        params = {k: v.detach() for k, v in norm.named_parameters()}
+        buffers = {k: v.clone() for k, v in norm.named_buffers()}
+        return grad(loss)(params, buffers), buffers
+
+    (expected, updated), (got, given) = program(plain), program(ckpt_guard.checkpoint)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+    for name in updated:  # each call's update once, as without checkpointing
+        torch.testing.assert_close(given[name], updated[name])
+    assert updated["1.num_batches_tracked"].item() == 2
