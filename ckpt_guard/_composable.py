@@ -208,8 +208,11 @@ class Plan:
         self.checked = False  # the run-time proof has run (on the first forward)
         self.check: Optional[_proof.ReadCheck] = None  # the forward's, while it runs
         self.versions: List[Optional[int]] = []
-        #: the inputs' versions once the forward has run: every recompute checks them
+        #: the versions, once the forward has run, of the inputs it read (None for the others):
+        #: every recompute checks them
         self.versions_after: List[Optional[int]] = []
+        #: the indices of the inputs the first forward read (None: not known, all are checked)
+        self.read: Optional[set] = None
         #: input index -> its value before the forward updated it in place (see for_recompute)
         self.pre_forward: dict = {}
         self.output_template: Any = None
@@ -324,8 +327,12 @@ class Plan:
             self.generators = list(check.generators.values())
             self._no_unseen_updates(tensors, check)
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
+            self.read = check.read
             self.check = None
-        self.versions_after = [_version(_base(t)) for t in tensors]
+        read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
+        self.versions_after = [
+            _version(_base(t)) if read is None or i in read else None for i, t in enumerate(tensors)
+        ]
         # An input returned as is (a mask passed through) cannot also be saved for backward by a
         # Function with setup_context: return a copy of it instead (as large as that input).
         passed = {id(t) for t in (*tensors, *given)}
@@ -390,7 +397,7 @@ class Plan:
             )
 
     def _changed_since_forward(self, i: int, t: Tensor, was: int) -> ChangedSinceForward:
-        held = [f"{type(module).__name__}.{name}" for module, _, name, index in self.slots if index == i]
+        held = [self._slot_name(module, name) for module, _, name, index in self.slots if index == i]
         what = f"{held[0]}, which the checkpointed block reads" if held else "a tensor the checkpointed block reads"
         return ChangedSinceForward(
             f"ckpt_guard's composable recompute: {what} "
@@ -400,6 +407,15 @@ class Plan:
             "(backward, the vjp's pullback) before updating it (optimizer.step() after loss.backward()), "
             "update a copy instead (w = w * 2, not w.mul_(2)), or call the block without checkpointing."
         )
+
+    def _slot_name(self, module: Any, name: str) -> str:
+        """``Net.stage2.lin.weight``: the attribute's path from the outermost module the block reaches."""
+        best = ""
+        for outer in {id(m): m for m, *_ in self.slots}.values():
+            for path, sub in outer.named_modules():
+                if sub is module and path and len(path) > len(best.split(".", 1)[-1]):
+                    best = f"{type(outer).__name__}.{path}"
+        return f"{best or type(module).__name__}.{name}"
 
     def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)

@@ -89,6 +89,7 @@ class ReadCheck(TorchFunctionMode):
         self.before: dict = {}
         self.refused: Optional[Unlifted] = None
         self.generators: dict = {}  # id(generator) -> (generator, its state before the block's first draw)
+        self.read: set = set()  # the indices of the given tensors an operation took (or the block returned)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         known = self.known
@@ -96,8 +97,10 @@ class ReadCheck(TorchFunctionMode):
             generator = kwargs.get("generator")
             if type(generator) is _Generator and id(generator) not in self.generators:
                 self._keep_generator(generator)
-        if self.index_of and _may_update(func, args, kwargs):
-            self._keep_before(func, args, kwargs)
+        if self.index_of:
+            self._note_reads(args, kwargs)
+            if _may_update(func, args, kwargs):
+                self._keep_before(func, args, kwargs)
         for arg in args:
             if isinstance(arg, Tensor):
                 if id(arg) not in known and _carries_gradient(arg):
@@ -123,6 +126,15 @@ class ReadCheck(TorchFunctionMode):
                 if isinstance(item, Tensor):
                     known.add(id(item))
         return out
+
+    def _note_reads(self, args: tuple, kwargs: Optional[dict]) -> None:
+        index_of, read = self.index_of, self.read
+        for arg in (*args, *(kwargs.values() if kwargs else ())):
+            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+                if isinstance(item, Tensor):
+                    i = index_of.get(id(item))
+                    if i is not None:
+                        read.add(i)
 
     def _keep_generator(self, generator: Any) -> None:
         """A user generator's state before the block's first draw from it.  A default generator
@@ -185,6 +197,8 @@ class ReadCheck(TorchFunctionMode):
         return self.index_of_storage
 
     def check_outputs(self, tensors: Iterable[Any]) -> None:
+        tensors = list(tensors)
+        self._note_reads(tuple(tensors), None)  # an input returned as is
         for t in tensors:
             if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t):
                 self._refuse(t, "returned")
