@@ -988,6 +988,12 @@ def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:
         what = "a tensor that requires grad"
     shape = tuple(_base(tensor).shape)
     where = f"{path}" if path else f"a path the guard cannot name (shape {shape})"
+    if read.outside:
+        return (
+            f"the block writes in place into {where}, a tensor it was not given (through "
+            f"{read.operation} at {read.site}): the recompute would write it a second time and "
+            "start from what the forward wrote (pass it to the transformed function, or as an argument)"
+        )
     if read.write:
         return (
             f"the block writes in place into {where}, an input a torch.func transform batches or "

@@ -46,13 +46,16 @@ Tensor = torch.Tensor
 class Unlifted(Exception):
     """The block read a tensor that needs a gradient and was not given to it (not a user error)."""
 
-    def __init__(self, tensor: Tensor, operation: str, site: str, write: bool = False) -> None:
+    def __init__(self, tensor: Tensor, operation: str, site: str, write: bool = False, outside: bool = False) -> None:
         super().__init__(operation)
         self.tensor = tensor
         self.operation = operation  # "torch.matmul", or "returned" for an output
         self.site = site  # the block's line that read it
         #: not a read: a write into an input a torch.func level wraps (no copy can be kept of it)
         self.write = write
+        #: not a read: a write into a tensor the block was not given (nor made): the recompute
+        #: would write it again and read what the forward wrote
+        self.outside = outside
 
 
 def _carries_gradient(tensor: Tensor) -> bool:
@@ -101,6 +104,7 @@ class ReadCheck(TorchFunctionMode):
             self._note_reads(args, kwargs)
             if _may_update(func, args, kwargs):
                 self._keep_before(func, args, kwargs)
+                self._refuse_outside_writes(func, args, kwargs)
         for arg in args:
             if isinstance(arg, Tensor):
                 if id(arg) not in known and _carries_gradient(arg):
@@ -184,6 +188,23 @@ class ReadCheck(TorchFunctionMode):
                     for j in self._storages().get(_storage_address(source), ()):  # its storage's other inputs
                         if j not in self.before and not is_functorch_wrapped_tensor(self.sources[j]):
                             self.before[j] = self.sources[j].detach().clone()
+
+    def _refuse_outside_writes(self, func: Any, args: tuple, kwargs: Optional[dict]) -> None:
+        """Refuse a write into a tensor the block was neither given nor made (a closure's buffer).
+
+        No copy of it is kept (it is no input), so the recompute would start from
+        what the forward wrote: spectral_norm's power iteration into buffers passed
+        to ``functional_call`` that no transform was given gave wrong gradients.
+        """
+        for target in _written(func, args, kwargs):
+            if (
+                isinstance(target, Tensor) and id(target) not in self.known and id(target) not in self.index_of
+                and _storage_address(target) not in self._storages()
+            ):
+                refusal = Unlifted(target, _name(func), _block_site(), write=True, outside=True)
+                if self.refused is None:
+                    self.refused = refusal
+                raise refusal
 
     def _storages(self) -> dict:
         """Storage address -> the indices of the inputs on it (made on first need)."""
@@ -271,6 +292,22 @@ def _may_update(func: Any, args: tuple, kwargs: Optional[dict]) -> bool:
         return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     # autograd.Function.apply, where a release hands it to the mode whole: its forward runs unseen
     return name == "apply"
+
+
+def _written(func: Any, args: tuple, kwargs: Optional[dict]) -> list:
+    """The tensors an updating ``func`` writes into, where that is plain from the call (else none)."""
+    name = getattr(func, "__name__", "") or ""
+    kwargs = kwargs or {}
+    if name in ("batch_norm", "instance_norm"):  # the running statistics
+        first = 1 if getattr(func, "__module__", "") == "torch.nn.functional" else 3
+        return [kwargs.get(key, args[i] if len(args) > i else None)
+                for key, i in (("running_mean", first), ("running_var", first + 1))]
+    if "out" in kwargs:
+        out = kwargs["out"]
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+    if (name.endswith("_") and not name.endswith("__")) or name in _UPDATING or kwargs.get("inplace") is True:
+        return [args[0] if args else kwargs.get("input", kwargs.get("self"))]
+    return []
 
 
 def _name(func: Any) -> str:

@@ -818,3 +818,36 @@ def test_a_module_run_twice_in_train_mode_is_no_alarm():
     for name in updated:  # each call's update once, as without checkpointing
         torch.testing.assert_close(given[name], updated[name])
     assert updated["1.num_batches_tracked"].item() == 2
+
+
+def _spectral_norm_with_buffers_in_a_closure(ckpt, calls=2):
+    """spectral_norm's power iteration writes its ``_u``/``_v`` buffers in place (``out=``); here they
+    reach the block through ``functional_call`` from a closure, so the recompute is not given them."""
+    torch.manual_seed(0)
+    m = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(4, 4))
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    buffers = {k: v.clone() for k, v in m.named_buffers()}
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+    def loss(p):
+        h = x
+        for _ in range(calls):
+            h = ckpt(lambda t: functional_call(m, (p, buffers), (t,)), h).tanh()
+        return h.pow(2).sum()
+
+    _, pullback = vjp(loss, params)
+    return [*pullback(torch.ones(()))[0].values(), *buffers.values()]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_write_into_a_tensor_the_block_was_not_given_is_refused_not_recomputed_twice(entry):
+    """A review found gradients off by 0.11 and the buffers advanced twice, silently: the recompute
+    started from the power iteration's updated vectors. The proof refuses the write (fallback runs
+    the block plainly; strict explains); the result equals the uncheckpointed one."""
+    got = assert_right_or_refused(_spectral_norm_with_buffers_in_a_closure, entry)
+    assert (got is None) == (ENTRIES[entry][0] == "strict")
+    if got is None:
+        with ckpt_guard.policy("strict"), pytest.raises(
+            CheckpointCompositionError, match=r"writes in place into .*\['parametrizations\.weight\.0\._u'\], a tensor it was not given"
+        ):
+            _spectral_norm_with_buffers_in_a_closure(ckpt_guard.checkpoint)
