@@ -136,6 +136,11 @@ class ChangedSinceForward(RuntimeError):
     """
 
 
+#: the plain values of a module's attributes a recompute puts back as the call found them
+_SCALARS = frozenset({int, float, bool, str, complex, type(None)})
+_ABSENT = object()
+
+
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
 SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 
@@ -187,6 +192,13 @@ class Plan:
         self.call_args = template((args, kwargs))[0]
         #: (module, store, name, input index)
         self.slots = [(module, store, name, index[id(tensor)]) for module, store, name, tensor in slots]
+        #: (module, name, value): the modules' plain numbers, flags and strings at the call (a
+        #: timestep set before each call of a shared module, a counter the forward increments);
+        #: each run binds those that changed since, so the recompute reads what the forward read
+        self.scalars = [
+            (module, name, value) for module in held.modules for name, value in module.__dict__.items()
+            if type(value) in _SCALARS and name not in _rebind._MODULE_INTERNALS
+        ]
         #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
         #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
         #: forward still runs in the recompute, as it ran in the forward)
@@ -244,6 +256,10 @@ class Plan:
     def call(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Any:
         rebuild = _rebind._Rebuild({}, fill=tensors)
         bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
+        for module, name, value in self.scalars:
+            now = module.__dict__.get(name, _ABSENT)
+            if now is not value and not (type(now) is type(value) and now == value):
+                bindings.append((module, "__dict__", name, value))
         attributes = []  # (label, value): the module attributes the block reads, as it reads them
         for module, name, value, always in self.attributes:
             new, changed = rebuild(value)

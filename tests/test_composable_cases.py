@@ -851,3 +851,43 @@ def test_a_write_into_a_tensor_the_block_was_not_given_is_refused_not_recomputed
             CheckpointCompositionError, match=r"writes in place into .*\['parametrizations\.weight\.0\._u'\], a tensor it was not given"
         ):
             _spectral_norm_with_buffers_in_a_closure(ckpt_guard.checkpoint)
+
+
+# --------------------------------------------------------------------------
+# a module's plain numbers: the recompute reads what the forward read
+
+
+class _Timed(torch.nn.Module):
+    """A shared block told its step before each call (a timestep, a layer index), counting its calls."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.lin = torch.nn.Linear(4, 4)
+        self.t, self.calls = 0.0, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x) * (1.0 + self.t) + 0.1 * self.calls)
+
+
+def _shared_block_program(ckpt):
+    m = _Timed()
+    x = torch.randn(4, generator=torch.Generator().manual_seed(2))
+
+    def f(h):
+        for t in range(3):
+            m.t = float(t)
+            h = ckpt(m, h)
+        return h.sum()
+
+    return grad(f)(x), torch.tensor(m.calls), torch.tensor(m.t)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_a_number_set_on_a_module_between_calls_is_read_by_the_recompute_as_the_forward_read_it(entry):
+    """A review found each call recomputed with the last ``m.t`` and the counter moved on by the
+    recompute (wrong gradients, no word; torch's own checkpoint does the same eagerly). The module
+    ends as without checkpointing: ``t`` as last set, ``calls`` counting the three forwards."""
+    got = assert_right_or_refused(_shared_block_program, entry, refusable=False)
+    assert got[1].item() == 3 and got[2].item() == 2.0

@@ -203,13 +203,19 @@ def test_checkpoint_sequential_segments_are_named_by_the_layers_they_run():
     assert lines[0] == "checkpointed: checkpoint_sequential segment body.0–body.1 (in Body)", lines
 
 
-def _checkpointed_lines(program) -> list:
+def _checkpointed_lines(program, raises: bool = True) -> list:
     ckpt_guard.install("warn")
     try:
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
-            with pytest.raises(RuntimeError):  # warn: torch's own error follows (CKG001)
-                program()
+            if raises:
+                with pytest.raises(RuntimeError):  # warn: torch's own error follows (CKG001)
+                    program()
+            else:
+                try:
+                    program()
+                except RuntimeError:
+                    pass
     finally:
         ckpt_guard.uninstall()
     return [
@@ -243,7 +249,12 @@ def test_a_closure_is_named_as_the_function_that_reads_a_module_not_as_the_modul
 
 def test_a_block_traced_by_torch_compile_is_named_so_not_by_torchs_wrapper():
     compiled = torch.compile(_Closures(closure=True), backend="eager")
-    lines = _checkpointed_lines(lambda: grad(compiled)(torch.randn(4)))
+    lines = _checkpointed_lines(lambda: grad(compiled)(torch.randn(4)), raises=False)
+    if not lines:  # then it must be right
+        net, x = _Closures(closure=True), torch.randn(4)
+        torch.testing.assert_close(grad(torch.compile(net, backend="eager"))(x), grad(lambda h: (net.block(h) * 2).sum())(x))
+        pytest.skip(f"torch {torch.__version__} compiles this checkpoint under grad and runs it correctly: "
+                    "the guard sees no call, so there is no message to read")
     assert lines and all(line.startswith("checkpointed: a block traced by torch.compile (graph ") for line in lines), lines
 
 
