@@ -343,7 +343,7 @@ class Plan:
             self.generators = list(check.generators.values())
             self._no_unseen_updates(tensors, check)
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
-            self.read = check.read
+            self.read = None if check.unseen_reads else check.read
             self.check = None
         read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
         self.versions_after = [
@@ -1006,9 +1006,10 @@ def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:
     where = f"{path}" if path else f"a path the guard cannot name (shape {shape})"
     if read.outside:
         return (
-            f"the block writes in place into {where}, a tensor it was not given (through "
-            f"{read.operation} at {read.site}): the recompute would write it a second time and "
-            "start from what the forward wrote (pass it to the transformed function, or as an argument)"
+            f"the block writes in place into {where}, a tensor it was neither given nor made by a "
+            f"torch operation (through {read.operation} at {read.site}): the recompute would write it a "
+            "second time and start from what the forward wrote (pass it to the block as an argument; "
+            "one the block makes with torch.Tensor(...) or from NumPy: make it with torch.zeros or torch.tensor)"
         )
     if read.write:
         return (

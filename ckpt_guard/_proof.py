@@ -93,6 +93,9 @@ class ReadCheck(TorchFunctionMode):
         self.refused: Optional[Unlifted] = None
         self.generators: dict = {}  # id(generator) -> (generator, its state before the block's first draw)
         self.read: set = set()  # the indices of the given tensors an operation took (or the block returned)
+        #: an operation ran whose reads it cannot see (an autograd.Function's forward, whole): ``read``
+        #: then says nothing about what the block did not read
+        self.unseen_reads = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         known = self.known
@@ -102,6 +105,8 @@ class ReadCheck(TorchFunctionMode):
                 self._keep_generator(generator)
         if self.index_of:
             self._note_reads(args, kwargs)
+            if _runs_unseen(func):
+                self.unseen_reads = True
             if _may_update(func, args, kwargs):
                 self._keep_before(func, args, kwargs)
                 self._refuse_outside_writes(func, args, kwargs)
@@ -294,20 +299,37 @@ def _may_update(func: Any, args: tuple, kwargs: Optional[dict]) -> bool:
     return name == "apply"
 
 
+def _runs_unseen(func: Any) -> bool:
+    """An autograd.Function's forward runs inside it, its reads unseen (``custom_function_call``
+    under a transform; ``apply`` where a release hands it to the mode whole)."""
+    return getattr(func, "__name__", None) in ("custom_function_call", "apply")
+
+
 def _written(func: Any, args: tuple, kwargs: Optional[dict]) -> list:
-    """The tensors an updating ``func`` writes into, where that is plain from the call (else none)."""
+    """The tensors an updating ``func`` writes into, where that is plain from the call (else none).
+
+    Lists are flattened (``torch._foreach_add_``); an aten overload says what it
+    writes in its schema.
+    """
     name = getattr(func, "__name__", "") or ""
     kwargs = kwargs or {}
-    if name in ("batch_norm", "instance_norm"):  # the running statistics
-        first = 1 if getattr(func, "__module__", "") == "torch.nn.functional" else 3
-        return [kwargs.get(key, args[i] if len(args) > i else None)
-                for key, i in (("running_mean", first), ("running_var", first + 1))]
-    if "out" in kwargs:
-        out = kwargs["out"]
-        return list(out) if isinstance(out, (list, tuple)) else [out]
-    if (name.endswith("_") and not name.endswith("__")) or name in _UPDATING or kwargs.get("inplace") is True:
-        return [args[0] if args else kwargs.get("input", kwargs.get("self"))]
-    return []
+    schema = getattr(func, "_schema", None)
+    if schema is not None:  # torch.ops.aten.add_.Tensor, whose name is "add_.Tensor"
+        found = []
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                found.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    elif name in ("batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit"):
+        first = 1 if getattr(func, "__module__", "") == "torch.nn.functional" else 3  # the running statistics
+        found = [kwargs.get(key, args[i] if len(args) > i else None)
+                 for key, i in (("running_mean", first), ("running_var", first + 1))]
+    elif "out" in kwargs:
+        found = [kwargs["out"]]
+    elif (name.endswith("_") and not name.endswith("__")) or name in _UPDATING or kwargs.get("inplace") is True:
+        found = [args[0] if args else kwargs.get("input", kwargs.get("self"))]
+    else:
+        return []
+    return [t for item in found for t in (item if isinstance(item, (list, tuple)) else (item,))]
 
 
 def _name(func: Any) -> str:

@@ -848,7 +848,7 @@ def test_a_write_into_a_tensor_the_block_was_not_given_is_refused_not_recomputed
     assert (got is None) == (ENTRIES[entry][0] == "strict")
     if got is None:
         with ckpt_guard.policy("strict"), pytest.raises(
-            CheckpointCompositionError, match=r"writes in place into .*\['parametrizations\.weight\.0\._u'\], a tensor it was not given"
+            CheckpointCompositionError, match=r"writes in place into .*\['parametrizations\.weight\.0\._u'\], a tensor it was neither given nor made"
         ):
             _spectral_norm_with_buffers_in_a_closure(ckpt_guard.checkpoint)
 
@@ -891,3 +891,75 @@ def test_a_number_set_on_a_module_between_calls_is_read_by_the_recompute_as_the_
     ends as without checkpointing: ``t`` as last set, ``calls`` counting the three forwards."""
     got = assert_right_or_refused(_shared_block_program, entry, refusable=False)
     assert got[1].item() == 3 and got[2].item() == 2.0
+
+
+class _ReadsInsideAFunction(torch.autograd.Function):
+    """Reads ``mod.w`` inside its forward, where the proof sees only the Function's call."""
+
+    @staticmethod
+    def forward(x, mod):
+        s = mod.w.sum()
+        return x * s, s
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output[1])
+
+    @staticmethod
+    def backward(ctx, g, gs):
+        (s,) = ctx.saved_tensors
+        return g * s, None
+
+
+class _FunctionUser(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return _ReadsInsideAFunction.apply(x, self)[0]
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_update_read_inside_an_autograd_function_is_still_checked(entry):
+    """The proof cannot see what an autograd.Function's forward reads: every input is checked then
+    (a review found ``mod.w.mul_(2)`` between vjp and pullback giving [6, 6, 6] for [3, 3, 3])."""
+    policy, call = ENTRIES[entry]
+    mod, x = _FunctionUser(), torch.arange(3.0)
+    ckpt_guard.install(policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, pullback = vjp(lambda t: call(mod, t).sum(), x)
+    with torch.no_grad():
+        mod.w.mul_(2)
+    with pytest.raises(_composable.ChangedSinceForward, match=r"_FunctionUser\.w, which"):
+        pullback(torch.ones(()))
+
+
+_OUTSIDE = torch.zeros(4)
+WRITES = {
+    "torch.ops.aten.add_.Tensor": lambda: torch.ops.aten.add_.Tensor(_OUTSIDE, torch.ones(4)),
+    "torch._foreach_add_": lambda: torch._foreach_add_([_OUTSIDE], 1.0),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_writes_an_aten_overload_or_a_foreach_list_names_are_refused_too(entry, write):
+    """``_written`` reads an aten overload's schema and flattens lists: both wrote into a closure's
+    buffer unrefused (the recompute wrote it again: gradients 4.9 off, the buffer at 2, not 1)."""
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+
+    def program(ckpt):
+        _OUTSIDE.zero_()
+        lin.zero_grad()
+
+        def block(r):
+            WRITES[write]()
+            return lin(r) * _OUTSIDE
+
+        vmap(lambda r: ckpt(block, r).pow(2).sum())(x).sum().backward()
+        return lin.weight.grad.clone(), _OUTSIDE.clone()
+
+    assert assert_right_or_refused(program, entry) is not None or ENTRIES[entry][0] == "strict"
