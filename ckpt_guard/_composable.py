@@ -138,7 +138,6 @@ class ChangedSinceForward(RuntimeError):
 
 #: the plain values of a module's attributes a recompute puts back as the call found them
 _SCALARS = frozenset({int, float, bool, str, complex, type(None)})
-_ABSENT = object()
 
 
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
@@ -257,7 +256,7 @@ class Plan:
         rebuild = _rebind._Rebuild({}, fill=tensors)
         bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
         for module, name, value in self.scalars:
-            now = module.__dict__.get(name, _ABSENT)
+            now = module.__dict__.get(name, _rebind._ABSENT)
             if now is not value and not (type(now) is type(value) and now == value):
                 bindings.append((module, "__dict__", name, value))
         attributes = []  # (label, value): the module attributes the block reads, as it reads them

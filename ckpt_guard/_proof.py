@@ -152,8 +152,8 @@ class ReadCheck(TorchFunctionMode):
             return
         self.generators[id(generator)] = (generator, generator.get_state())
 
-    def _refuse(self, tensor: Tensor, operation: str, write: bool = False) -> None:
-        refusal = Unlifted(tensor, operation, _block_site(), write)
+    def _refuse(self, tensor: Tensor, operation: str, write: bool = False, outside: bool = False) -> None:
+        refusal = Unlifted(tensor, operation, _block_site(), write, outside)
         if self.refused is None:
             self.refused = refusal
         raise refusal
@@ -206,10 +206,7 @@ class ReadCheck(TorchFunctionMode):
                 isinstance(target, Tensor) and id(target) not in self.known and id(target) not in self.index_of
                 and _storage_address(target) not in self._storages()
             ):
-                refusal = Unlifted(target, _name(func), _block_site(), write=True, outside=True)
-                if self.refused is None:
-                    self.refused = refusal
-                raise refusal
+                self._refuse(target, _name(func), write=True, outside=True)
 
     def _storages(self) -> dict:
         """Storage address -> the indices of the inputs on it (made on first need)."""
