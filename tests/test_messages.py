@@ -188,18 +188,7 @@ def test_checkpoint_sequential_segments_are_named_by_the_layers_they_run():
             return checkpoint_sequential(self.body, 3, x, use_reentrant=False).sum()
 
     net = Body()
-    ckpt_guard.install("warn")
-    try:
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            with pytest.raises(RuntimeError):  # warn: torch's own error follows (CKG001)
-                grad(net)(torch.randn(4))
-    finally:
-        ckpt_guard.uninstall()
-    lines = [
-        line.strip() for w in record if issubclass(w.category, CheckpointCompositionWarning)
-        for line in str(w.message).splitlines() if line.strip().startswith("checkpointed:")
-    ]
+    lines = _checkpointed_lines(lambda: grad(net)(torch.randn(4)))
     assert lines[0] == "checkpointed: checkpoint_sequential segment body.0–body.1 (in Body)", lines
 
 
