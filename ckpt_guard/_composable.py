@@ -64,7 +64,7 @@ from torch._C._functorch import _unwrap_for_grad, _wrap_for_grad, is_batchedtens
 from torch._C._functorch import current_level as _current_level
 from torch._functorch import pyfunctorch
 from torch._functorch.eager_transforms import enable_inplace_requires_grad as _enable_inplace_requires_grad
-from torch._functorch.eager_transforms import _vjp_with_argnums
+from torch._functorch.eager_transforms import _jvp_with_argnums, _vjp_with_argnums
 from torch._functorch.eager_transforms import grad_increment_nesting as _grad_increment_nesting
 
 from . import _config, _proof, _rebind, _state
@@ -107,21 +107,32 @@ def _tracked(t: Tensor, eager: bool = True) -> bool:
 
 
 class Refused(Exception):
-    """The composable recompute cannot be correct for this call; ``reason`` says why (for messages)."""
+    """The composable recompute cannot be correct for this call; ``reason`` says why (for messages).
 
-    def __init__(self, reason: str) -> None:
+    ``output``: what the block returned, where it already ran (a refusal the
+    run-time proof found during the plain run: the caller returns that, and
+    never runs the block a second time); :data:`NOT_RUN` where it did not.
+    """
+
+    def __init__(self, reason: str, output: Any = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.output = NOT_RUN if output is None else output
+
+    @property
+    def ran(self) -> bool:
+        return self.output is not NOT_RUN
+
+
+#: :attr:`Refused.output` where the block has not run
+NOT_RUN = object()
 
 
 class UnrepeatableForward(RuntimeError):
-    """The forward updated an input in place without the proof keeping its value first.
+    """Kept for compatibility: the forward updated an input in place without the proof keeping its value.
 
-    The run-time proof's net under its in-place tracking: the input's version
-    counter moved, and no copy of what it held was kept, so a recompute would
-    start from the updated value.  Raised whatever the policy: the forward has
-    already run (its update cannot be undone), so running the block again
-    plainly would update it twice.
+    Since the first forward is the plain run, such a call is no longer
+    raised: it keeps the plain run's result, unpacked (:class:`Refused`).
     """
 
 
@@ -206,6 +217,8 @@ class Plan:
             for module, name, value in attributes
             for hooks in [name in _rebind._FORWARD_HOOKS]
         ]
+        #: (module, name) of those plain attributes: the containers among them are watched in the forward
+        self.attribute_names = [(module, name) for module, name, _ in attributes]
         self.grad_mode = torch.is_grad_enabled()
         #: inputs that required grad at the call: the forward makes them require grad too
         self.needs = [t.requires_grad and _differentiable_dtype(t) for t in self.inputs]
@@ -216,9 +229,12 @@ class Plan:
         #: requires_grad carries no tangent)
         self.tangent_reachable = [r and _tracked(t, eager=False) for r, t in zip(self.reachable, self.inputs)]
         self.context_fn = context_fn
-        self.checked = False  # the run-time proof has run (on the first forward)
-        self.check: Optional[_proof.ReadCheck] = None  # the forward's, while it runs
+        #: the Function's operands: these inputs, then the plain run's output tensors (precomputed)
+        self.n_inputs = len(self.inputs)
+        #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
+        self.refusal: Optional[str] = None
         self.versions: List[Optional[int]] = []
+        self.vmaps_at_forward: frozenset = frozenset()
         #: the versions, once the forward has run, of the inputs it read (None for the others):
         #: every recompute checks them
         self.versions_after: List[Optional[int]] = []
@@ -226,6 +242,9 @@ class Plan:
         self.read: Optional[set] = None
         #: input index -> its value before the forward updated it in place (see for_recompute)
         self.pre_forward: dict = {}
+        #: inputs needing a gradient the forward rewrote with what a rewrite leaves as is (an
+        #: Embedding's max_norm): each recompute starts from a copy of the saved one
+        self.rewritten: frozenset = frozenset()
         self.output_template: Any = None
         self.output_ids: List[int] = []
         self.output_kept: List[bool] = []
@@ -252,64 +271,48 @@ class Plan:
         self.original_function = self.args = self.kwargs = None
         self.inputs = ()
 
-    def call(self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None) -> Any:
+    def call(self, tensors: Sequence[Tensor]) -> Any:
+        """The block on ``tensors`` (a recompute's): its template filled in, its modules bound to them."""
         rebuild = _rebind._Rebuild({}, fill=tensors)
         bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
         for module, name, value in self.scalars:
             now = module.__dict__.get(name, _rebind._ABSENT)
             if now is not value and not (type(now) is type(value) and now == value):
                 bindings.append((module, "__dict__", name, value))
-        attributes = []  # (label, value): the module attributes the block reads, as it reads them
         for module, name, value, always in self.attributes:
             new, changed = rebuild(value)
             if changed or always:
                 bindings.append((module, "__dict__", name, new))
-            if name not in _rebind._FORWARD_HOOKS:
-                attributes.append((f"{type(module).__name__}.{name}", new if changed else getattr(module, name, new)))
         with _rebind.bound(bindings):
             function = rebuild(self.function)[0]
             args, kwargs = rebuild(self.call_args)[0]
-            if check is None:
-                return function(*args, **kwargs)
-            given = _state.contents_snapshot(
-                (_state._argument_roots(function, args, kwargs) or [])
-                + [(label, value) for label, value in attributes if _state._holds_container(value)]
-            )
-            check.given(tensors)
-            with check:
-                output = function(*args, **kwargs)
-            check.raise_refusal()  # one the block's own ``except Exception`` caught
-            check.check_outputs(_output_tensors(output))
-            if given:
-                self.contents = _contents_to_replay(given, self._own_containers())
-            return output
+            return function(*args, **kwargs)
 
-    def _own_containers(self) -> set:
-        """The ids of the user's own containers the block is given (not the copies a call makes)."""
-        roots = (_state._argument_roots(self.function, *self.call_args) or []) + [
-            (name, value) for _, name, value, _ in self.attributes if _state._holds_container(value)
-        ]
-        return {id(entry[1]) for entry in _state.contents_snapshot(roots)}
+    def _given_containers(self) -> list:
+        """The user's containers the block is given (arguments, closure, partial, module attributes)."""
+        roots = _state._argument_roots(self.original_function, self.args, self.kwargs) or []
+        for module, name in self.attribute_names:
+            value = module.__dict__.get(name)
+            if name not in _rebind._FORWARD_HOOKS and _state._holds_container(value):
+                roots.append((f"{type(module).__name__}.{name}", value))
+        return roots
 
-    def pure(
-        self, tensors: Sequence[Tensor], check: Optional[_proof.ReadCheck] = None, first: bool = False,
-    ) -> Tuple[Tensor, ...]:
-        """The block as a function of its input tensors to its output tensors (for vjp / jvp).
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The block as a function of its input tensors to its output tensors (for vjp / jvp)."""
+        return tuple(_output_tensors(self.call(tensors)))
 
-        ``first``: the forward, which remembers the output's structure.
+    # -- the first forward: the plain run, then packed into the recompute
+
+    def first_run(self) -> Any:
+        """Run the block as the caller wrote it, at the caller's levels, under the run-time proof.
+
+        Returns what the block returns.  This run *is* the uncheckpointed code:
+        right whatever the proof finds, run once.  What the proof found is in
+        :attr:`refusal` (None: the call can be packed).  The user's exceptions
+        pass through untouched.
         """
-        output = self.call(tensors, check)
-        if first:
-            self.output_template = output
-            found = _output_tensors(output)
-            self.output_ids = [id(t) for t in found]
-            self.output_kept = [_differentiable_dtype(t) for t in found]
-            return tuple(found)
-        return tuple(_output_tensors(output))
-
-    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        """The first run of the block: checked, in the call's grad mode, remembered for replay."""
-        self.capture_forward_state(tensors)
+        inputs = self.inputs
+        self.capture_forward_state(inputs)
         forward_context = contextlib.nullcontext()
         if self.context_fn is not None:
             forward_context, self.recompute_context = self.context_fn()
@@ -318,98 +321,115 @@ class Plan:
                 # the vjp here runs other ops, so the cache would not line up ("not found in
                 # storage"). Its policy only chooses what to keep: recomputing all is correct.
                 forward_context, self.recompute_context = contextlib.nullcontext(), contextlib.nullcontext()
-        device_context = contextlib.nullcontext() if self.default_device is None else torch.device(self.default_device)
-        check = None if self.checked or not PROOF else _proof.ReadCheck(tensors)
-        self.versions = [_version(_base(t)) for t in tensors]  # a wrapper's own counter never moves
-        self.check = check
-        given = [t.detach() for t in tensors]  # new objects: a read of the original is not a read of these
-        needed = [i for i, need in enumerate(self.needs) if need] if self.grad_mode else []
-        with device_context, forward_context, _plain_nested_checkpoints():
-            if needed:
-                # the inputs that required grad at the call require grad here too, under a
-                # throwaway grad level (its graph goes when the level exits)
-                with _grad_increment_nesting() as level, torch.enable_grad():
-                    wrapped = [_wrap_for_grad(t, level) for t in given]
-                    with _enable_inplace_requires_grad(True):
-                        for i in needed:
-                            wrapped[i].requires_grad_()
-                    outputs = tuple(_unwrap_for_grad(o, level) for o in self.pure(wrapped, check, first=True))
+        if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
+            with forward_context, _plain_nested_checkpoints():
+                return self.original_function(*self.args, **self.kwargs)
+        self.versions = [_version(_base(t)) for t in inputs]  # a wrapper's own counter never moves
+        self.vmaps_at_forward = _vmap_levels()
+        given = _state.contents_snapshot(self._given_containers())
+        level = _current_level() if _state.peek_interpreter_stack() is not None else -1
+        check = _proof.ReadCheck(inputs, level) if PROOF else None
+        with forward_context, _plain_nested_checkpoints():
+            if check is None:
+                output = self.original_function(*self.args, **self.kwargs)
             else:
-                with torch.set_grad_enabled(self.grad_mode):
-                    outputs = self.pure(given, check, first=True)
-        self.checked = True
-        if check is not None:  # what the block updated in place: the recompute starts from the forward's values
+                check.given(inputs)
+                with check:
+                    output = self.original_function(*self.args, **self.kwargs)
+        found = _output_tensors(output)
+        if check is not None:
+            check.check_outputs(found)
             self.generators = list(check.generators.values())
-            self._no_unseen_updates(tensors, check)
-            self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, tensors[i])}
+            if check.refused is not None:
+                self.refusal = _describe_unlifted(self, check.refused)
+                return output
+            self.refusal = self._unseen_update(check)
+            if self.refusal is not None:
+                return output
+            self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i])}
+            self.rewritten = frozenset(check.rewritten)
             self.read = None if check.unseen_reads else check.read
-            self.check = None
+        if given:
+            self.contents, self.refusal = _contents_to_replay(given)
+            if self.refusal is not None:
+                return output
         read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
         self.versions_after = [
-            _version(_base(t)) if read is None or i in read else None for i, t in enumerate(tensors)
+            _version(_base(t)) if read is None or i in read else None for i, t in enumerate(inputs)
         ]
-        # An input returned as is (a mask passed through) cannot also be saved for backward by a
-        # Function with setup_context: return a copy of it instead (as large as that input).
-        passed = {id(t) for t in (*tensors, *given)}
-        final = tuple(o.clone() if id(o) in passed else o.detach() for o in outputs)
-        # the output's structure, holding these (not the forward's own tensors: under the grad level
-        # above they hold its whole graph)
-        self.output_template = _rebind.rebuild(self.output_template, dict(zip(self.output_ids, final)))
-        self.output_ids = [id(t) for t in final]
-        return final
+        self.output_template = output
+        self.output_ids = [id(t) for t in found]
+        self.output_kept = [_differentiable_dtype(t) for t in found]
+        return output
 
-    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        """The saved inputs, with the forward's starting values of those it updated in place.
+    def ran_under(self, level: int, batch_size: int, randomness: str) -> bool:
+        """Whether the plain run ran under this vmap (its random draws were batched by it)."""
+        return (level, batch_size, randomness) in self.vmaps_at_forward
 
-        A BatchNorm's running statistics are updated once, as without
-        checkpointing (each recompute updates a copy).  An input that needs
-        a gradient is left as it is (it is what the recompute differentiates).
+    def precomputed(self, output: Any) -> List[Tensor]:
+        """The plain run's output tensors, cut from its graph, to hand to the recompute's Function.
+
+        Handed in as operands, they reach the Function's forward through every
+        level's own unwrapping (a vmap rule sees where each is batched); the
+        forward returns them, so the block never runs inside the Function.
+        ``.detach()`` keeps the batching and drops the autograd history at every
+        level, so nothing holds the plain run's activations once it returns.
+        An output sharing memory with an input is copied (the Function's output
+        must not alias what it saves for backward).
+        """
+        found = _output_tensors(output)
+        storages = None
+        kept = []
+        for t in found:
+            if storages is None and any(_proof._storage_address(t) is not None for t in found):
+                storages = {_proof._storage_address(i) for i in self.inputs}
+            if storages and _proof._storage_address(t) in storages:
+                t = t.clone()
+            kept.append(t.detach())
+        return kept
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The Function's forward: the plain run's outputs, as they arrive at this level (never a rerun)."""
+        return tuple(t.detach() for t in tensors[self.n_inputs:])
+
+    def for_recompute(self, tensors: Sequence[Tensor], substitute: bool = True) -> Tuple[Tensor, ...]:
+        """The saved inputs, as the recompute may use them: each checked, and copied where the block updates it.
+
+        An input the forward updated in place (a BatchNorm's running
+        statistics) was saved as a copy of what the forward started from
+        (see :func:`_run`): each recompute updates a copy of that copy, so the
+        update happens once, as without checkpointing.  So does an input
+        needing a gradient that the block rewrites idempotently (``rewritten``).
+        Every other input the forward read must still be what it read
+        (:class:`ChangedSinceForward`).  A derivative's recompute
+        (``substitute=False``) is handed copies already: only the version of
+        the others is checked.
         """
         for i, (t, was) in enumerate(zip(tensors, self.versions_after)):
-            if was is not None and i not in self.pre_forward and _version(_base(t)) != was:
+            if (
+                was is not None and i not in self.pre_forward and (substitute or i not in self.rewritten)
+                and _version(_base(t)) != was
+            ):
                 self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
                 raise self._changed_since_forward(i, t, was)
-        if not self.pre_forward:
+        if not (self.pre_forward or self.rewritten):
             return tuple(tensors)
         return tuple(
-            self.pre_forward[i].clone() if i in self.pre_forward and not self.needs[i] else t
-            for i, t in enumerate(tensors)
+            t.clone() if i in self.pre_forward or i in self.rewritten else t for i, t in enumerate(tensors)
         )
 
-    def undo_updates(self, tensors: Sequence[Tensor]) -> None:
-        """After a refused forward: put back what it updated in place (the plain run updates it again)."""
-        check = self.check
-        if check is None:
-            return
-        with torch.no_grad():
-            for i, kept in check.before.items():
-                if self._updated(i, kept, tensors[i]):
-                    tensors[i].copy_(kept)
-
-    def _no_unseen_updates(self, tensors: Sequence[Tensor], check: _proof.ReadCheck) -> None:
-        """Raise :class:`UnrepeatableForward` if the forward moved an input's version with no copy kept.
-
-        Also for an input that needs a gradient: the recompute differentiates
-        it as it is now, not as the forward found it.
-        """
-        for i, (t, was) in enumerate(zip(tensors, self.versions)):
-            if was is None or _version(_base(t)) == was or (i in check.before and not self.needs[i]):
+    def _unseen_update(self, check: _proof.ReadCheck) -> Optional[str]:
+        """Why the call cannot be packed, if the forward moved an input's version with no copy kept."""
+        for i, (t, was) in enumerate(zip(self.inputs, self.versions)):
+            if was is None or _version(_base(t)) == was or i in check.before or i in check.rewritten:
                 continue
-            how = (
-                "an input that needs a gradient" if self.needs[i]
-                else "in a way the run-time proof did not see coming (a C extension, say)"
+            path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
+            return (
+                f"the block updated {path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place "
+                "in a way the run-time proof did not see coming (a C extension, or with torch functions "
+                "off), so no copy of what it started from was kept for the recompute"
             )
-            path = None
-            if self.original_function is not None and i < len(self.inputs):
-                path = _rebind.describe_path(self.original_function, self.args, self.kwargs, self.inputs[i])
-            raise UnrepeatableForward(
-                f"ckpt_guard's composable recompute: the checkpointed block updated "
-                f"{path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place, {how}. "
-                "Its recompute would start from the "
-                "updated value and return wrong gradients, so the call stops here (the forward has "
-                "already updated it: it is not run again). Pass the block a copy (x.clone()), or make "
-                "the update outside the checkpointed block."
-            )
+        return None
 
     def _changed_since_forward(self, i: int, t: Tensor, was: int) -> ChangedSinceForward:
         held = [self._slot_name(module, name) for module, _, name, index in self.slots if index == i]
@@ -434,7 +454,7 @@ class Plan:
 
     def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)
-        return self.versions[i] != _version(_base(now)) or not torch.equal(kept, now)
+        return self.versions[i] != _version(_base(now)) or not torch.equal(_base(kept), _base(now))
 
     def rebuild(self, outputs: Sequence[Tensor]) -> Any:
         """The block's output with the Function's outputs in place of the forward's tensors."""
@@ -457,16 +477,6 @@ class Plan:
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
             devices, states = _tuc.get_device_states(*tensors)
         self.rng = (torch.get_rng_state(), devices, states, device_type)
-
-    def restore_rng(self) -> None:
-        """The RNG as the forward found it (fallback's plain run after a refusal draws the same)."""
-        if self.rng is not None:
-            cpu_state, devices, states, _ = self.rng
-            torch.set_rng_state(cpu_state)
-            if devices:
-                _tuc.set_device_states(devices, states)
-        for generator, state in (self.check.generators.values() if self.check is not None else self.generators):
-            generator.set_state(state)
 
     @contextlib.contextmanager
     def replay(self) -> Any:
@@ -499,44 +509,22 @@ class Plan:
         RECOMPUTES += 1
 
 
-class ChangedContainer(Exception):
-    """The forward changed a list, dict or object the block was given (a KV cache it appends to)."""
+def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
+    """What the recompute must replay of the containers the forward changed, and why it cannot, if so.
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _contents_to_replay(given: tuple, own: set) -> List[tuple]:
-    """What the recompute must replay of the containers the forward changed; :class:`ChangedContainer` where
-    no replay can be right (their contents put back first: the caller may run the block again).
-
-    A change is replayed (each recompute starts from what the forward found,
-    and puts back what is there then: a counter, a log of detached tensors
-    changes once) unless the block changed a copy the call made (the user's
-    own container would never see it) or put in a tensor that carries a
-    gradient, alone or in a container (a KV cache entry: no gradient can
-    leave a checkpoint that way).  A tensor in them updated in place is the
-    proof's.
+    Each recompute starts from what the forward found, and puts back what
+    is there then (a counter, a log, a KV cache changes once, as without
+    checkpointing).  The plain run changed the user's own containers; a
+    tensor it put there belongs to the plain run's graph, which the code
+    reading it differentiates as it would without checkpointing.  Only a
+    container too long to keep a copy of cannot be replayed.  A tensor in
+    them updated in place is the proof's.
     """
     changed = [entry for entry in _state.changed_at_all(given) if entry[2] != "tensor"]
-    why = ""
     for path, value, kind, recorded in changed:
-        if id(value) not in own:
-            why = f"it changes {path}, which the call hands it as a copy (the user's own would not change)"
-        elif not _state.replayable([(path, value, kind, recorded)]):
-            why = f"it changes {path}, a container too long to keep a copy of"
-        elif any(
-            _state.carries_gradient(item) for item in _state._moved(_state._shallow(value, kind), recorded, kind)
-        ):
-            what = _state.describe_contents_change(((path, value, kind, recorded),))
-            why = f"it puts a tensor that carries a gradient there ({what}): no gradient can leave a checkpoint that way"
-        if why:
-            break
-    if not why:
-        return changed
-    _state.restore_contents(changed)
-    raise ChangedContainer(f"the block changes a container it is given: {why}")
+        if not _state.replayable([(path, value, kind, recorded)]):
+            return [], f"it changes {path}, a container too long to keep a copy of"
+    return changed, None
 
 
 def _output_tensors(output: Any) -> List[Tensor]:
@@ -562,10 +550,11 @@ class _Derivative:
     def __init__(self, base: Any, kind: str, wanted: List[int], present: Sequence[bool]) -> None:
         self.base, self.kind, self.wanted, self.present = base, kind, wanted, list(present)
         self.output_kept: List[bool] = []
+        self.n_inputs = sys.maxsize  # all its operands are inputs: it computes its outputs
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
-        primals, extra = self.base.for_recompute(tensors[:n]), tensors[n:]
+        primals, extra = self.base.for_recompute(tensors[:n], substitute=False), tensors[n:]
         with self.base.replay():
             if self.kind == "jvp":
                 return _jvp(self.base, primals, self.wanted, extra)
@@ -583,13 +572,13 @@ class _Derivative:
         passed = {id(t) for t in tensors}
         return tuple(o.clone() if id(o) in passed else o.detach() for o in outputs)
 
-    def pure(self, tensors: Sequence[Tensor], check: Any = None) -> Tuple[Tensor, ...]:
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         return self._function(tensors)
 
     def replay(self) -> Any:
         return contextlib.nullcontext()  # its function replays the base
 
-    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    def for_recompute(self, tensors: Sequence[Tensor], substitute: bool = True) -> Tuple[Tensor, ...]:
         return tuple(tensors)  # its function asks the base
 
     def differentiable_outputs(self) -> List[bool]:
@@ -601,29 +590,48 @@ class _Derivative:
 
 
 class _Batched:
-    """A plan vmapped: the block under ``torch.vmap``, checkpointed whole (vmap of a checkpoint)."""
+    """A node vmapped: the block under ``torch.vmap``, checkpointed whole (vmap of a checkpoint).
 
-    def __init__(self, base: Any, in_dims: Sequence[Optional[int]], randomness: str) -> None:
-        self.base, self.in_dims = base, tuple(in_dims)
-        if isinstance(base, _Derivative) and all(d is None for d in self.in_dims[: _primal_count(base, in_dims)]):
-            # a derivative vmapped over its cotangents / tangents alone (jacrev, jacfwd): its
-            # block's random draws replay an unbatched forward, so they are drawn unbatched too
+    Over a plan, its forward hands on the plain run's outputs (batched where
+    ``precomputed_dims`` says); its recompute runs the block under
+    ``torch.vmap`` with the level's randomness.
+    """
+
+    def __init__(
+        self, base: Any, in_dims: Sequence[Optional[int]], randomness: str, batch_size: int = 0,
+        precomputed_dims: Sequence[Optional[int]] = (),
+    ) -> None:
+        self.base, self.in_dims, self.batch_size = base, tuple(in_dims), batch_size
+        self.n_inputs = base.n_inputs
+        if (
+            isinstance(base, _Derivative) and all(d is None for d in self.in_dims[: _primal_count(base, in_dims)])
+            and not _root(base).ran_under(_vmap_level_of_rule(), batch_size, randomness)
+        ):
+            # a derivative vmapped over its cotangents / tangents alone, under a vmap the forward did
+            # not run under (jacrev's, over the pullback): its block's random draws replay an
+            # unbatched forward, so they are drawn unbatched too (under jacfwd's vmap the plain
+            # run drew them as that vmap's randomness says: they are drawn so again)
             randomness = "same"
         self.randomness = randomness
 
         #: per output: batched (a leading batch dimension) or not (as the block made it)
-        self.out_batched: List[bool] = []
+        self.out_batched: List[bool] = [d is not None for d in precomputed_dims]
 
     def _vmapped(self, inner: Callable[..., Tuple[Tensor, ...]], tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         found: List[bool] = []
+        in_dims, operands = self.in_dims, tuple(tensors)
+        if all(d is None for d in in_dims):
+            # only the block's random draws are batched (randomness="different" over unbatched
+            # inputs): torch.vmap needs a batched operand to know the batch size
+            in_dims, operands = (*in_dims, 0), (*operands, torch.empty(self.batch_size, 0))
 
         def per_sample(*ts: Tensor) -> Tuple[Tensor, ...]:
-            outputs = inner(ts)
+            outputs = inner(ts[: len(tensors)])
             level = _current_level()
             found[:] = [_batched_at(o, level) for o in outputs]
             return outputs
 
-        outputs = torch.vmap(per_sample, in_dims=self.in_dims, randomness=self.randomness)(*tensors)
+        outputs = torch.vmap(per_sample, in_dims=in_dims, randomness=self.randomness)(*operands)
         if not self.out_batched:
             self.out_batched = found
         # an output the batch did not reach stays as it was: torch.vmap expands it (stride 0), and
@@ -631,9 +639,11 @@ class _Batched:
         return tuple(o if batched else o.select(0, 0) for o, batched in zip(outputs, self.out_batched))
 
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        if self.n_inputs < len(tensors):  # a plan's: the plain run's outputs, handed on
+            return self.base.forward_outputs(tensors)
         return self._vmapped(self.base.forward_outputs, tensors)
 
-    def pure(self, tensors: Sequence[Tensor], check: Any = None) -> Tuple[Tensor, ...]:
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         return self._vmapped(self.base.pure, tensors)
 
     def out_dims(self) -> Tuple[Optional[int], ...]:
@@ -642,14 +652,29 @@ class _Batched:
     def replay(self) -> Any:
         return self.base.replay()
 
-    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        return self.base.for_recompute(tensors)
+    def for_recompute(self, tensors: Sequence[Tensor], substitute: bool = True) -> Tuple[Tensor, ...]:
+        return self.base.for_recompute(tensors, substitute)
 
     def differentiable_outputs(self) -> List[bool]:
         return self.base.differentiable_outputs()
 
     def differentiable_inputs(self, forward: bool = False) -> List[bool]:
         return self.base.differentiable_inputs(forward)
+
+
+def _vmap_level_of_rule() -> int:
+    """The level of the vmap whose rule is running (it has been lowered: the one above the top)."""
+    return (_current_level() if _state.peek_interpreter_stack() is not None else 0) + 1
+
+
+def _vmap_levels() -> frozenset:
+    """(level, batch size, randomness) of each vmap alive now."""
+    if _state.peek_interpreter_stack() is None:
+        return frozenset()
+    return frozenset(
+        (i.level(), i.batch_size(), i.randomness())
+        for i in pyfunctorch.retrieve_all_functorch_interpreters() if i.key().name == "Vmap"
+    )
 
 
 def _primal_count(derivative: _Derivative, in_dims: Sequence[Any]) -> int:
@@ -685,16 +710,43 @@ def _jvp(
     unbatched tangents in place (under jacfwd) and fails.
     """
     recompute = _recompute_of(plan)
+    root = _root(plan)
+    grad_mode = root.grad_mode  # the call's: a block may branch on it (nn.TransformerEncoder's fast path)
+    # the inputs that required grad at the call require grad here too (kernels are chosen by it:
+    # an LSTM's fused one has a forward-mode formula that fails under jacfwd), under a throwaway
+    # grad level below the jvp's, whose graph goes when it exits
+    needed = [i for i, need in enumerate(root.needs[: len(tensors)]) if need] if grad_mode else []
 
-    def along(*chosen: Tensor) -> Tuple[Tensor, ...]:
-        full = list(tensors)
-        for i, t in zip(wanted, chosen):
-            full[i] = t
-        return recompute(*full)
+    def along(*full: Tensor) -> Tuple[Tensor, ...]:
+        with torch.set_grad_enabled(grad_mode):
+            return recompute(*full)
 
-    # a dual's primal cannot overlap itself (a cotangent of .sum() is an expanded one)
-    chosen = tuple(_unexpanded(tensors[i]) for i in wanted)
-    return tuple(torch.func.jvp(along, chosen, tuple(directions))[1])
+    with contextlib.ExitStack() as stack:
+        given = list(tensors)
+        level = None
+        if needed:
+            level = stack.enter_context(_grad_increment_nesting())
+            stack.enter_context(torch.enable_grad())
+            given = [_wrap_for_grad(t, level) for t in given]
+            with _enable_inplace_requires_grad(True):
+                for i in needed:
+                    if i not in wanted and _differentiable_dtype(given[i]):
+                        given[i].requires_grad_()
+        # a dual's primal cannot overlap itself (a cotangent of .sum() is an expanded one)
+        for i in wanted:
+            given[i] = _unexpanded(given[i])
+        # every input wrapped at the jvp's level, the wanted ones as duals (as jacfwd wraps its
+        # arguments): a BatchNorm's running statistics are then its own to update, not captured
+        output_tangents = _jvp_with_argnums(along, tuple(given), tuple(directions), tuple(wanted), has_aux=False)[1]
+        if level is not None:
+            output_tangents = tuple(_unwrap_for_grad(t, level) for t in output_tangents)
+    return tuple(output_tangents)
+
+
+def _root(node: Any) -> Plan:
+    while not isinstance(node, Plan):
+        node = node.base
+    return node
 
 
 def _unexpanded(t: Tensor) -> Tensor:
@@ -770,18 +822,29 @@ def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
 
 
 class _Recompute(torch.autograd.Function):
-    """The composable checkpoint: forward without activations, every rule a recompute."""
+    """The composable checkpoint: forward without activations, every rule a recompute.
+
+    Operands: the node (a :class:`Plan`, or a :class:`_Derivative` /
+    :class:`_Batched` of one), its ``node.n_inputs`` inputs, then, for a plan,
+    the plain run's outputs (precomputed: the forward returns them).  Only the
+    inputs are saved, and only they get gradients or tangents.
+    """
 
     @staticmethod
-    def forward(plan: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
-        return plan.forward_outputs(tensors)
+    def forward(node: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        return node.forward_outputs(tensors)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-        plan, *tensors = inputs
-        ctx.plan = plan
-        ctx.save_for_backward(*tensors)
-        ctx.save_for_forward(*tensors)
+        node, *tensors = inputs
+        ctx.plan = node
+        # an input with no tangent gets None, not a zero made up in its shape: duals are made of the
+        # inputs that have one (an RNN's forward-mode formula fails mixing made-up unbatched zeros
+        # with batched tangents, under jacfwd); a missing cotangent is a zero the backward makes
+        ctx.set_materialize_grads(False)
+        inputs_only = tensors[: node.n_inputs]
+        ctx.save_for_backward(*inputs_only)
+        ctx.save_for_forward(*inputs_only)
         fixed = [o for o in output if not _differentiable_dtype(o)]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
@@ -790,29 +853,42 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan = ctx.plan
         tensors = plan.for_recompute(ctx.saved_tensors)
+        extra = (None,) * (len(ctx.needs_input_grad) - 1 - len(tensors))  # the precomputed outputs
         needed = ctx.needs_input_grad[1:]
         reachable = plan.differentiable_inputs()
         wanted = [i for i, t in enumerate(tensors) if needed[i] and reachable[i] and _differentiable_dtype(t)]
         if not wanted:
-            return (None,) * (1 + len(tensors))
+            return (None,) * (1 + len(tensors)) + extra
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
         if _differentiated_again(tensors, cotangents):
             derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
             grads = _Recompute.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
         else:  # nothing differentiates this again: no graph kept, the least memory
+            # ... except under forward mode (jvp(grad), hessian), which differentiates the pullback as
+            # it runs: it must take the backward formulas the plain code takes, which autograd picks
+            # by grad mode (silu's and group_norm's plain kernels have no forward-mode formula)
+            building = _forward_mode_alive()
+            if building:
+                # ... below this node's own grad level, which would otherwise record the pullback (and
+                # keep the recompute alive): nothing differentiates this backward there
+                own = _own_level(tensors)
+                if own is not None:
+                    tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
+                    cotangents = [None if c is None else _unwrap_for_grad(c, own) for c in cotangents]
             with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
                 outputs, pullback = _vjp(plan, tensors, wanted)
-            with torch.no_grad():  # no graph of the vjp either: it would keep the recompute alive
+            with torch.set_grad_enabled(building):  # no graph of the vjp otherwise: it would keep the recompute alive
                 grads = pullback(tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents)))
         result: List[Optional[Tensor]] = [None] * len(tensors)
         for i, g in zip(wanted, grads):
             result[i] = g
-        return (None, *result)
+        return (None, *result) + extra
 
     @staticmethod
     def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan = ctx.plan
         tensors = plan.for_recompute(ctx.saved_tensors)
+        tangents = tangents[: len(tensors)]  # the precomputed outputs carry none
         kept = plan.differentiable_outputs()
         reachable = plan.differentiable_inputs(forward=True)
         wanted = [
@@ -836,10 +912,22 @@ class _Recompute(torch.autograd.Function):
         return tuple(next(it) if k else None for k in kept)
 
     @staticmethod
-    def vmap(info: Any, in_dims: Tuple[Any, ...], plan: Any, *tensors: Tensor) -> Any:
-        batched = _Batched(plan, in_dims[1:], info.randomness)
-        outputs = _Recompute.apply(batched, *tensors)
+    def vmap(info: Any, in_dims: Tuple[Any, ...], node: Any, *tensors: Tensor) -> Any:
+        n = node.n_inputs
+        batched = _Batched(node, in_dims[1: 1 + n], info.randomness, info.batch_size, in_dims[1 + n:])
+        # the precomputed outputs with their batch dimension first, as the recompute makes them
+        precomputed = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors[n:], in_dims[1 + n:])]
+        outputs = _Recompute.apply(batched, *tensors[:n], *precomputed)
         return outputs, batched.out_dims()
+
+
+def _forward_mode_alive() -> bool:
+    """Whether forward-mode AD is differentiating what runs now (a jvp level, or a dual level)."""
+    if _state.forward_ad._current_level >= 0:
+        return True
+    if _state.peek_interpreter_stack() is None:
+        return False
+    return any(i.key().name == "Jvp" for i in pyfunctorch.retrieve_all_functorch_interpreters())
 
 
 @contextlib.contextmanager
@@ -874,8 +962,44 @@ def plan(
     """A :class:`Plan` for this call, or why the composable recompute would be wrong here.
 
     ``preserve_rng_state=False`` would let the recompute draw other numbers
-    (CKG107): the forward's RNG is always replayed.
+    (CKG107): the forward's RNG is always replayed.  Where no reverse mode can
+    differentiate the call (``jvp``, ``jacfwd``, ``linearize``, a forward
+    ``vmap``), nothing would be recomputed: a reason that is only about the
+    recompute does not refuse the call then; the plan runs the block plainly
+    (its :attr:`Plan.refusal` set) and that is the result.
     """
+    why = _why_not_packed(function, args, kwargs)
+    held = None
+    if why is None:
+        held = _rebind.holdings(function, args, kwargs)
+        why = _why_not_packed_held(function, held)
+    if why is not None:
+        if held is None:
+            held = _rebind.holdings(function, args, kwargs)
+        if _reverse_mode_possible(args, kwargs, held):
+            return why
+    built = Plan(function, args, kwargs, held, context_fn)
+    if why is None:
+        lifted = {id(t) for t in built.inputs}
+        unlifted = [t for t in held.unbindable if id(t) not in lifted and _carries_gradient(t)]
+        if unlifted:
+            names = _global_names(function, unlifted[0])
+            which = f"the global {names}" if names else "a global"
+            why = (
+                f"it reads a tensor that needs a gradient through {which}, which cannot be passed to "
+                "the recompute as an input (its gradient would be lost); pass it to the block as an "
+                "argument instead: ckpt_guard.checkpoint(block, x, w) with block(x, w)"
+            )
+            if _reverse_mode_possible(args, kwargs, held):
+                return why
+    if not built.inputs:
+        return "it reads no tensor: there is nothing to recompute"
+    built.refusal = why  # no reverse mode can follow: the plain run is the result, whatever this says
+    return built
+
+
+def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
+    """A reason, read from torch's state, why no recompute of this call could be right (or None)."""
     if _state.user_dispatch_modes() or _state.user_function_modes():
         return "a user mode is active: the recompute would run without it"
     stack = [name for name, _ in _state.transform_stack()]
@@ -892,27 +1016,31 @@ def plan(
             "torch.nn.utils.parametrize.cached() is active: the block's forward would fill its cache "
             "with tensors computed below the transforms, which the code after the block reads"
         )
-    held = _rebind.holdings(function, args, kwargs)
+    return None
+
+
+def _why_not_packed_held(function: Any, held: _rebind.Holdings) -> Optional[str]:
     subclass = _tensor_subclass_in(held)
     if subclass is not None:
         return (
             f"it reads a {subclass.__name__}, a tensor subclass with its own __torch_function__, which "
             "a recompute under other torch.func levels cannot pass through"
         )
-    built = Plan(function, args, kwargs, held, context_fn)
-    lifted = {id(t) for t in built.inputs}
-    unlifted = [t for t in held.unbindable if id(t) not in lifted and _carries_gradient(t)]
-    if unlifted:
-        names = _global_names(function, unlifted[0])
-        which = f"the global {names}" if names else "a global"
-        return (
-            f"it reads a tensor that needs a gradient through {which}, which cannot be passed to "
-            "the recompute as an input (its gradient would be lost); pass it to the block as an "
-            "argument instead: ckpt_guard.checkpoint(block, x, w) with block(x, w)"
-        )
-    if not built.inputs:
-        return "it reads no tensor: there is nothing to recompute"
-    return built
+    return None
+
+
+def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) -> bool:
+    """Before the block runs: whether reverse mode might differentiate it (a grad level, or eager
+    autograd with a tensor it reads requiring grad).  If not, a plain run keeps nothing to save."""
+    if _state.peek_interpreter_stack() is not None:
+        if any(i.key().name == _GRAD for i in pyfunctorch.retrieve_all_functorch_interpreters()):
+            return True
+    if not torch.is_grad_enabled():
+        return False
+    tensors = [*held.tensors, *held.arguments, *held.unbindable]
+    for module in held.modules:
+        tensors += [*module.__dict__["_parameters"].values(), *module.__dict__["_buffers"].values()]
+    return any(isinstance(t, Tensor) and _state.requires_grad_anywhere(t) for t in tensors)
 
 
 def _global_names(function: Any, tensor: Tensor) -> str:
@@ -980,18 +1108,39 @@ _run_uncompiled: Any = None
 
 
 def _run(built: Plan) -> Any:
-    try:
-        outputs = _Recompute.apply(built, *built.inputs)
-    except (_proof.Unlifted, ChangedContainer) as read:
-        built.undo_updates(built.inputs)
-        built.restore_rng()
-        reason = read.reason if isinstance(read, ChangedContainer) else _describe_unlifted(built, read)
+    output = built.first_run()
+    found = _output_tensors(output)
+    if not _reverse_mode_can_follow(found):  # forward mode and vmap keep nothing: nothing to save
         built.release()
-        raise Refused(reason) from None
-    output = built.rebuild(outputs)
+        return output
+    if built.refusal is not None:
+        reason = built.refusal
+        built.release()
+        raise Refused(reason, output)
+    precomputed = built.precomputed(output)
+    del found, output  # the plain run's graph goes with them
+    # an input the forward updated in place (a BatchNorm's running statistics) is handed in as the copy
+    # of what the forward started from: the Function saves that, so a later update of the live one (the
+    # same module called again) is no change to what this recompute reads
+    operands = [built.pre_forward.get(i, t) for i, t in enumerate(built.inputs)] if built.pre_forward else built.inputs
+    outputs = _Recompute.apply(built, *operands, *precomputed)
+    del precomputed
+    result = built.rebuild(outputs)
     built.release()
     built.output_template = None  # the forward's outputs: the backward does not need them
-    return output
+    return result
+
+
+def _reverse_mode_can_follow(outputs: Sequence[Tensor]) -> bool:
+    """Whether reverse mode may differentiate this call's outputs: a grad level, or eager autograd.
+
+    Where neither can (``jvp``, ``jacfwd``, ``vmap`` with nothing requiring
+    grad), the plain run kept no activations: it is the result.
+    """
+    if _state.peek_interpreter_stack() is not None:
+        if any(i.key().name == _GRAD for i in pyfunctorch.retrieve_all_functorch_interpreters()):
+            return True
+    return any(_base(t).requires_grad for t in outputs)
 
 
 def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:

@@ -407,12 +407,16 @@ def _where(function: Any, transforms: tuple, site_frame: Optional[FrameType]) ->
 
 def decide_call(
     reentrant: bool, function: Any, args: tuple, config: _config.Config, early_stop: bool = True, refused: str = "",
+    ran: bool = False,
 ) -> str:
     """Apply the call-time rules to a non-quiet call; may raise or warn.
 
     ``refused``: why ``ckpt_guard.checkpoint``'s composable recompute could not
     run this call, added to what the user reads (whose fixes then do not
-    suggest ``ckpt_guard.checkpoint``: that is what refused).
+    suggest ``ckpt_guard.checkpoint``: that is what refused).  ``ran``: the
+    refusal came from the run-time proof, after the block ran once, plainly:
+    that run is the call's result whatever the policy (strict raises instead
+    of returning it).
     """
     state = _state.read_call_state(reentrant, function, args, early_stop)
     firing = _firing(state, config)
@@ -422,7 +426,8 @@ def decide_call(
     site_frame, _ = user_frame(sys._getframe(1))
     site = describe_site(site_frame)
     variant = (
-        "ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)" if refused
+        ("ckpt_guard.checkpoint, run without checkpointing (see the next line)" if ran else
+         "ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)") if refused
         else describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
     )
     where = _where(function, state.transforms, site_frame)
@@ -432,7 +437,10 @@ def decide_call(
     if policy == "strict":
         message = _with_refusal(build_message(
             rule, site=site, variant=variant, policy=policy, source=config.source,
-            action="raised before running the checkpointed function (policy strict)", also=also, **where,
+            action=(
+                "raised after the block ran once, plainly, which the proof needed (policy strict)" if ran
+                else "raised before running the checkpointed function (policy strict)"
+            ), also=also, **where,
         ), refused)
         _events.emit(rule.id, policy, "raised", site, "call")
         raise CheckpointCompositionError(message, rule)
@@ -448,6 +456,9 @@ def decide_call(
     # One call, one decision, one warning: the deciding rule's, naming the others;
     # every rule that fired records what actually ran.
     event, action = _OUTCOME_TEXT[outcome]
+    if ran:
+        outcome, event = NO_CHECKPOINT, _OUTCOME_TEXT[NO_CHECKPOINT][0]
+        action = f"ran it once without checkpointing (policy {policy}): that run is the result"
     for other, other_policy in firing:
         _events.emit(other.id, other_policy, event, site, "call")
     _warn(_with_refusal(build_message(
@@ -709,8 +720,10 @@ def prepare_call(
         or _forward_ad._current_level >= 0 or rrelu
     ):
         if rrelu or not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
-            if _fx_tracing():  # torch.fx.symbolic_trace: Proxies, tracing, not training
-                return STEP_ASIDE
+            if _fx_tracing() and _peek_interpreter_stack() is None and _forward_ad._current_level < 0:
+                return STEP_ASIDE  # torch.fx.symbolic_trace: Proxies, tracing, not training
+            # (make_fx under a transform or a dual level, as torch.func.linearize traces its jvp: real
+            # values, decided as any call)
             outcome = decide_call(reentrant, function, args[first_input:], config, early_stop)
             if outcome == AS_ASKED:  # torch as asked: no drift risk stands in for the rule
                 may_anticipate = False
@@ -1417,6 +1430,8 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
                     result = _composable.run(built)
                 except _composable.Refused as refused:
                     announce(refused.reason)  # the block reads what the recompute could not lift
+                    if refused.ran:  # the plain run is the result: never run the block twice
+                        return refused.output
                     with forward_context_of(context_fn) or contextlib.nullcontext():
                         return function(*args, **kwargs)
                 announce(None)
@@ -1607,6 +1622,33 @@ def _untracked_swap(
         return _torch_checkpoint.checkpoint(recorded, *args, **options, **kwargs)
 
 
+def _refused_under_swap(function: Any, config: _config.Config, reason: str) -> None:
+    """CKG101 for ``ckpt_guard.checkpoint`` outside transforms, under a swap, refused after the block ran.
+
+    The block ran once, plainly, with the swapped-in tensors: that is right,
+    and it is the call's result.  Every policy but off says so, strict too:
+    nothing wrong is returned, and whether torch's own recompute would have
+    read other tensors depends on the swap holding then (higher's patched
+    modules keep their fast weights), which nothing here can tell.
+    """
+    rule = _SWAP_RULE
+    policy = config.policy_for(rule.id)
+    if policy == "off":
+        return
+    site_frame, _ = user_frame(sys._getframe(2))
+    site = describe_site(site_frame)
+    details = dict(
+        variant="ckpt_guard.checkpoint, run without checkpointing (see the next line)", source=config.source,
+        **_where(function, (), site_frame),
+    )
+    refused = f"\n  ckpt_guard.checkpoint could not use its composable recompute here: {reason}"
+    _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
+    _warn(build_message(
+        rule, site=site, policy=policy, anticipated=True, worked=True,
+        action=f"ran it once without checkpointing (policy {policy}): that run is the result", **details,
+    ) + refused, rule)
+
+
 class _RecordedReads:
     """What :func:`_untracked_swap` compares: the tensors needing a gradient the forward read from outside."""
 
@@ -1692,6 +1734,14 @@ def public_checkpoint(
         try:
             return _composable.run(built)
         except _composable.Refused as refused:  # the run-time proof: decided below, as a plan refusal
+            if refused.ran:
+                # the block ran once, plainly, as the caller wrote it: that is the result (strict
+                # raises the rule's explanation; warn and fallback say so and keep it)
+                if eager:
+                    _refused_under_swap(function, config, refused.reason)
+                else:
+                    decide_call(False, function, args, config, refused=refused.reason, ran=True)
+                return refused.output
             built = refused.reason
     if eager:
         if _state.swaps_active_here():  # torch's checkpoint, guarded as any call: the guard sees this swap

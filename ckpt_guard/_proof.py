@@ -9,21 +9,31 @@ any shape can hide a tensor.  A tensor that needs a gradient and that the
 block reaches past the walk would be read *as a constant*: its gradient would
 silently come back zero or wrong.
 
-So while the block's forward runs, :class:`ReadCheck` (a ``TorchFunctionMode``)
-looks at every tensor handed to a torch operation before the operation runs,
-and at every tensor the block returns.  A tensor that carries a gradient (it
+So while the block's first forward runs (the plain run: the block as the
+caller wrote it, at the caller's torch.func levels), :class:`ReadCheck` (a
+``TorchFunctionMode``) looks at every tensor handed to a torch operation, and
+at every tensor the block returns.  A tensor that carries a gradient (it
 requires grad, or a torch.func level wraps it) must be one the block was
-given or one it computed; anything else raises :class:`Unlifted`, before the
-operation has run.  The caller then refuses this call (strict) or runs the
-block another way (fallback).  Tensors that carry no gradient (a mask, a
-constant) are read as they are: they are constants for every transform.
+given or one it computed; anything else is recorded as a refusal
+(:class:`Unlifted`).  Nothing is raised and nothing is stopped: the plain run
+is the uncheckpointed code, right whatever the proof finds, so a refused call
+keeps its result and only loses its memory saving (the caller does not pack
+it into a recompute).  Tensors that carry no gradient (a mask, a constant)
+are read as they are: they are constants for every transform.  So is a
+gradient-carrying tensor read only through ``.detach()`` or under
+``torch.no_grad()``, where no torch.func level batches it.
 
-"Computed" is tracked by identity: the outputs of every operation are
+"Computed" is decided by identity first: the outputs of every operation are
 recorded.  A tensor alive before the forward began can never share an id
 with one made during it, so a captured tensor is never taken for a computed
-one.  The other way round, a tensor made without a torch operation (by a C
-extension that bypasses ``__torch_function__``, say) and needing a gradient
-is refused: a lost memory saving, never a wrong gradient.
+one.  A tensor made where no ``__torch_function__`` sees it (autograd's
+engine inside a ``torch.func.grad`` the block calls, the unwrapping at the
+end of a ``vmap`` inside it) is computed if its autograd node was made
+during the forward: autograd numbers its nodes in order, per thread, and the
+forward's first number is read when it starts.  A torch.func wrapper the
+block's own transforms made (a level above the call's) stands for the tensor
+it wraps.  Anything else that needs a gradient is refused: a lost memory
+saving, never a wrong gradient.
 
 Only the forward is checked: the recompute runs the same code on the same
 tensors, with the forward's RNG, dtype and device replayed.
@@ -35,7 +45,9 @@ import sys
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-from torch._C._functorch import get_unwrapped as _get_unwrapped, is_functorch_wrapped_tensor
+from torch._C._autograd import _get_sequence_nr
+from torch._C._functorch import get_unwrapped as _get_unwrapped, is_batchedtensor, is_functorch_wrapped_tensor
+from torch._C._functorch import maybe_get_level as _maybe_get_level
 from torch.overrides import TorchFunctionMode
 
 from ._state import is_user_generator
@@ -64,7 +76,7 @@ def _carries_gradient(tensor: Tensor) -> bool:
 
 
 class ReadCheck(TorchFunctionMode):
-    """Refuses an operation on a tensor that needs a gradient and is neither given nor computed.
+    """Records the first operation on a tensor that needs a gradient and is neither given nor computed.
 
     It also keeps, before an operation that may update one of the given
     tensors in place (``add_``, ``inplace=True``, ``out=``, BatchNorm's running
@@ -72,24 +84,31 @@ class ReadCheck(TorchFunctionMode):
     copy of what that given tensor stands for, so that the recompute can start
     from what the forward started from.  ``sources`` are those tensors (the
     recompute's inputs, index for index with the given ones); ``before`` maps
-    an input's index to the copy kept of it.
+    an input's index to the copy kept of it (made at the caller's levels).  A
+    write into a given tensor that needs a gradient is refused: its update is
+    part of what the caller differentiates, which no recompute can replay.
 
-    A refusal is also recorded in ``refused``: the block's own ``try: ...
-    except Exception`` cannot swallow it (:meth:`raise_refusal` raises it again
-    after the forward).
+    The first refusal lands in ``refused``; after it the mode only runs the
+    operations (the call will not be packed, so nothing more is needed).
 
     A ``torch.Generator`` the block draws from (``generator=g``) has its state
     kept in ``generators`` before its first draw: the recompute replays it,
     as it replays the default generators.
     """
 
-    def __init__(self, sources: Sequence[Any] = ()) -> None:
+    def __init__(self, sources: Sequence[Any] = (), call_level: int = -1) -> None:
         super().__init__()
         self.known: set = set()
         self.sources = sources
+        #: the functorch level the block was called at: wrappers above it are the block's own
+        self.call_level = call_level
+        #: autograd's next node number when the forward began (see the module docstring)
+        self.first_node = _get_sequence_nr()
         self.index_of: dict = {}  # id(given tensor) -> its input index
         self.index_of_storage: Optional[dict] = None  # storage address -> input indices (made on first need)
         self.before: dict = {}
+        #: the indices of given tensors that need a gradient and that the block rewrote idempotently
+        self.rewritten: set = set()
         self.refused: Optional[Unlifted] = None
         self.generators: dict = {}  # id(generator) -> (generator, its state before the block's first draw)
         self.read: set = set()  # the indices of the given tensors an operation took (or the block returned)
@@ -98,7 +117,16 @@ class ReadCheck(TorchFunctionMode):
         self.unseen_reads = False
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if self.refused is not None:  # the call will not be packed: run it as it is
+            return func(*args, **kwargs)
         known = self.known
+        if func is _REQUIRES_GRAD_ and args and self._at_call_level(args[0]):
+            # a leaf made inside the block: no recompute under a transform can make it again
+            # (torch.func refuses requires_grad_() there), nor give it a gradient (a torch.func.grad
+            # inside the block marks its own level's wrappers: those are fine)
+            self._refuse(args[0], "Tensor.requires_grad_")
         if kwargs:
             generator = kwargs.get("generator")
             if type(generator) is _Generator and id(generator) not in self.generators:
@@ -112,21 +140,24 @@ class ReadCheck(TorchFunctionMode):
                 self._refuse_outside_writes(func, args, kwargs)
         for arg in args:
             if isinstance(arg, Tensor):
-                if id(arg) not in known and _carries_gradient(arg):
+                if id(arg) not in known and _carries_gradient(arg) and not self._readable(arg, func):
                     self._refuse(arg, _name(func))
             elif isinstance(arg, (list, tuple)):
                 for item in arg:
-                    if isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item):
+                    if (
+                        isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item)
+                        and not self._readable(item, func)
+                    ):
                         self._refuse(item, _name(func))
             elif type(arg) is _Generator and id(arg) not in self.generators:  # torch.poisson(rates, g)
                 self._keep_generator(arg)
-        if kwargs:
-            for value in kwargs.values():
-                for item in (value if isinstance(value, (list, tuple)) else (value,)):
-                    if isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item):
-                        self._refuse(item, _name(func))
-        else:
-            kwargs = {}
+        for value in kwargs.values():
+            for item in (value if isinstance(value, (list, tuple)) else (value,)):
+                if (
+                    isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item)
+                    and not self._readable(item, func)
+                ):
+                    self._refuse(item, _name(func))
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             known.add(id(out))
@@ -135,6 +166,39 @@ class ReadCheck(TorchFunctionMode):
                 if isinstance(item, Tensor):
                     known.add(id(item))
         return out
+
+    def _at_call_level(self, tensor: Tensor) -> bool:
+        """Not a wrapper of a level the block's own transforms made."""
+        return not is_functorch_wrapped_tensor(tensor) or _maybe_get_level(tensor) <= self.call_level
+
+    def _readable(self, tensor: Tensor, func: Any) -> bool:
+        """Whether an operation may take ``tensor``, unknown by identity: computed by the block, or
+        read as a constant (``.detach()``, or under ``torch.no_grad()``, where no level batches it)."""
+        if self._computed(tensor):
+            return True
+        if _batched_below(tensor):
+            return False
+        return getattr(func, "__name__", None) == "detach" or not torch.is_grad_enabled()
+
+    def _computed(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``, unknown by identity, was computed by the block (see the module docstring).
+
+        A wrapper of the block's own levels stands for what it wraps (as a
+        batched wrapper does); an autograd node made since the forward began
+        proves the tensor was made since.
+        """
+        t = tensor
+        while True:
+            if id(t) in self.known:
+                return True
+            node = t.grad_fn
+            if node is not None:
+                return node._sequence_nr() >= self.first_node
+            if not is_functorch_wrapped_tensor(t) or (
+                not is_batchedtensor(t) and _maybe_get_level(t) <= self.call_level
+            ):
+                return False
+            t = _get_unwrapped(t)
 
     def _note_reads(self, args: tuple, kwargs: Optional[dict]) -> None:
         index_of, read = self.index_of, self.read
@@ -153,18 +217,11 @@ class ReadCheck(TorchFunctionMode):
         self.generators[id(generator)] = (generator, generator.get_state())
 
     def _refuse(self, tensor: Tensor, operation: str, write: bool = False, outside: bool = False) -> None:
-        refusal = Unlifted(tensor, operation, _block_site(), write, outside)
         if self.refused is None:
-            self.refused = refusal
-        raise refusal
-
-    def raise_refusal(self) -> None:
-        """Raise the first refusal again, if the block caught it and went on."""
-        if self.refused is not None:
-            raise self.refused
+            self.refused = Unlifted(tensor, operation, _block_site(), write, outside)
 
     def given(self, tensors: Sequence[Any]) -> None:
-        """Tensors the block is given (a recompute's inputs, at whatever level they arrive)."""
+        """Tensors the block is given (the recompute's inputs, at the caller's levels)."""
         self.known.update(id(t) for t in tensors if isinstance(t, Tensor))
         if self.sources:
             self.index_of = {id(t): i for i, t in enumerate(tensors) if isinstance(t, Tensor)}
@@ -174,24 +231,34 @@ class ReadCheck(TorchFunctionMode):
 
         Matched by identity, or by memory (a view of a given tensor, its
         ``.data``, another input on the same storage: each is copied).  An
-        input a torch.func level wraps (vmap's batched buffers) cannot be
-        copied from here: the operation is refused before it writes.
+        input that needs a gradient is refused instead (what the caller
+        differentiates includes the update itself), unless the write is one
+        known to leave what it wrote as it is (``rewritten``).
         """
-        for arg in (*args, *(kwargs or {}).values()):
-            for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
-                if not isinstance(item, Tensor):
-                    continue
+        name = getattr(func, "__name__", None)
+        targets = _written(func, args, kwargs)
+        if not targets:  # nothing plain from the call (an autograd.Function's apply): any argument may be written
+            targets = [item for arg in (*args, *(kwargs or {}).values())
+                       for item in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+        for item in targets:
+            if isinstance(item, Tensor):
                 i = self.index_of.get(id(item))
                 indices = [i] if i is not None else self._storages().get(_storage_address(item), ())
                 for i in indices:
                     if i in self.before:
                         continue
                     source = self.sources[i]
-                    if is_functorch_wrapped_tensor(source):
+                    if _requires_grad_anywhere(source):
+                        if name in _IDEMPOTENT_NO_GRAD_WRITES:
+                            # no part of what is differentiated, and a no-op on what it wrote: the
+                            # recompute starts from the current value (a copy of it)
+                            self.rewritten.add(i)
+                            continue
                         self._refuse(item, _name(func), write=True)
+                        return
                     self.before[i] = source.detach().clone()
                     for j in self._storages().get(_storage_address(source), ()):  # its storage's other inputs
-                        if j not in self.before and not is_functorch_wrapped_tensor(self.sources[j]):
+                        if j not in self.before and not _requires_grad_anywhere(self.sources[j]):
                             self.before[j] = self.sources[j].detach().clone()
 
     def _refuse_outside_writes(self, func: Any, args: tuple, kwargs: Optional[dict]) -> None:
@@ -204,7 +271,7 @@ class ReadCheck(TorchFunctionMode):
         for target in _written(func, args, kwargs):
             if (
                 isinstance(target, Tensor) and id(target) not in self.known and id(target) not in self.index_of
-                and _storage_address(target) not in self._storages()
+                and _storage_address(target) not in self._storages() and not self._computed(target)
             ):
                 self._refuse(target, _name(func), write=True, outside=True)
 
@@ -223,8 +290,25 @@ class ReadCheck(TorchFunctionMode):
         tensors = list(tensors)
         self._note_reads(tuple(tensors), None)  # an input returned as is
         for t in tensors:
-            if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t):
+            if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t) and not self._computed(t):
                 self._refuse(t, "returned")
+
+
+def _batched_below(t: Tensor) -> bool:
+    while is_functorch_wrapped_tensor(t):
+        if is_batchedtensor(t):
+            return True
+        t = _get_unwrapped(t)
+    return False
+
+
+def _requires_grad_anywhere(t: Tensor) -> bool:
+    while True:
+        if t.requires_grad:
+            return True
+        if not is_functorch_wrapped_tensor(t):
+            return False
+        t = _get_unwrapped(t)
 
 
 class CapturedReads(TorchFunctionMode):
@@ -256,6 +340,7 @@ class CapturedReads(TorchFunctionMode):
 
 
 _Generator = torch.Generator
+_REQUIRES_GRAD_ = Tensor.requires_grad_
 
 
 def _storage_address(tensor: Tensor) -> Optional[int]:
@@ -275,6 +360,14 @@ _UPDATING = frozenset({
 })
 
 
+#: calls that write into a tensor under a torch.no_grad() of their own, writing what a second call
+#: leaves as it is (nn.Embedding's max_norm renorm of its weight)
+_IDEMPOTENT_NO_GRAD_WRITES = frozenset({"embedding"})
+
+#: in-place methods that write no data (torch.func.grad inside the block marks its own inputs)
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "detach_"})
+
+
 def _may_update(func: Any, args: tuple, kwargs: Optional[dict]) -> bool:
     """Whether ``func`` may write into one of its arguments.
 
@@ -283,8 +376,12 @@ def _may_update(func: Any, args: tuple, kwargs: Optional[dict]) -> bool:
     ``x[i] = ...``.
     """
     name = getattr(func, "__name__", "") or ""
+    if name in _NOT_WRITES:
+        return False
     if name == "batch_norm":  # F.batch_norm and torch.batch_norm: ``training`` is the sixth either way
         return bool(kwargs["training"] if kwargs and "training" in kwargs else len(args) > 5 and args[5])
+    if name == "embedding" and getattr(func, "__module__", "") == "torch.nn.functional":  # max_norm renorms
+        return (kwargs or {}).get("max_norm", args[2] if len(args) > 2 else None) is not None
     if (name.endswith("_") and not name.endswith("__")) or name in _UPDATING:
         return True
     if kwargs and ("out" in kwargs or kwargs.get("inplace") is True):
@@ -316,6 +413,9 @@ def _written(func: Any, args: tuple, kwargs: Optional[dict]) -> list:
         for i, argument in enumerate(schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 found.append(args[i] if i < len(args) else kwargs.get(argument.name))
+    elif name == "embedding" and getattr(func, "__module__", "") == "torch.nn.functional":
+        max_norm = kwargs.get("max_norm", args[2] if len(args) > 2 else None)
+        found = [kwargs.get("weight", args[1] if len(args) > 1 else None)] if max_norm is not None else []
     elif name in ("batch_norm", "instance_norm", "native_batch_norm", "_native_batch_norm_legit"):
         first = 1 if getattr(func, "__module__", "") == "torch.nn.functional" else 3  # the running statistics
         found = [kwargs.get(key, args[i] if len(args) > i else None)

@@ -117,6 +117,7 @@ INFRASTRUCTURE_MODES = frozenset(
         "torch.fx.experimental.proxy_tensor.ProxyTorchDispatchMode",
         "torch.fx.experimental.proxy_tensor.PreDispatchTorchFunctionMode",
         "torch.fx.experimental.proxy_tensor.ProxyFunctionMode",
+        "torch.fx.experimental.proxy_tensor.TorchFunctionMetadataMode",  # make_fx (torch.func.linearize)
         "torch.utils.checkpoint._CachingTorchDispatchMode",
         "torch.utils.checkpoint._CachedTorchDispatchMode",
         "torch.utils._device.DeviceContext",

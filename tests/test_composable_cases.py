@@ -392,18 +392,27 @@ def test_an_input_updated_in_place_is_recomputed_from_its_forward_value(how):
         assert assert_right_or_refused(program, entry, refusable=False) is not None
 
 
-def test_an_update_the_proof_cannot_see_stops_the_call():
-    """Written with torch functions off (as a C extension may): a loud error, never a recompute from the new value."""
+def test_an_update_the_proof_cannot_see_keeps_the_plain_run():
+    """Written with torch functions off (as a C extension may): no copy of the buffer was kept for a
+    recompute, so the call is not packed; the plain run (run once: the buffer doubled once) is the result
+    (fallback), or strict explains it. Never a recompute from the new value."""
     def block(t, buffer):
         with torch._C.DisableTorchFunction():
             buffer.mul_(2)
         return (LINEAR(t) * buffer).pow(2).sum()
 
-    for policy in ("strict", "fallback"):
-        with ckpt_guard.policy(policy), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with pytest.raises(_composable.UnrepeatableForward, match=r"argument 1 \(a \(2, 3\) tensor\) in place"):
-                grad(lambda t, b: ckpt_guard.checkpoint(block, t, b))(X, torch.randn(2, 3))
+    def program(ckpt):
+        buffer = torch.ones(2, 3)
+        g = grad(lambda t, b: ckpt(block, t, b))(X, buffer)
+        return g, buffer
+
+    (expected, doubled) = program(plain)
+    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=r"argument 1 \(a \(2, 3\) tensor\) in place"):
+        program(ckpt_guard.checkpoint)
+    with ckpt_guard.policy("fallback"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="in place"):
+        got, buffer = program(ckpt_guard.checkpoint)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(buffer, doubled)  # doubled once
 
 
 HIDDEN = torch.randn(3, requires_grad=True, generator=torch.Generator().manual_seed(5))
@@ -449,14 +458,13 @@ def test_eager_swap_the_guard_did_not_track_is_ckg101():
     reference = outer_grads(plain)
     raw = outer_grads(torch_checkpoint)
     assert any(r is None or not torch.allclose(r, e) for r, e in zip(raw, reference)), "torch alone is wrong here"
-    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=r"\[CKG101\][\s\S]*not lifted"):
-        outer_grads(ckpt_guard.checkpoint)
-    with ckpt_guard.policy("fallback"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="CKG101"):
-        got = outer_grads(ckpt_guard.checkpoint)
-    for g, r in zip(got, reference):
-        torch.testing.assert_close(g, r)
-    with ckpt_guard.policy("warn"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="CKG101"):
-        outer_grads(ckpt_guard.checkpoint)
+    # the block ran once, plainly, with the swapped-in weights (the proof needed that run): right, and
+    # every policy says it could not be checkpointed (strict too: nothing wrong is returned)
+    for policy in ("strict", "fallback", "warn"):
+        with ckpt_guard.policy(policy), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match=r"\[CKG101\][\s\S]*not lifted"):
+            got = outer_grads(ckpt_guard.checkpoint)
+        for g, r in zip(got, reference):
+            torch.testing.assert_close(g, r)
 
 
 def test_the_guard_keeps_no_checkpointed_model_alive():
@@ -514,13 +522,11 @@ def test_frozen_weights_swapped_in_by_functional_call_are_ckg101():
     reference = program(plain)
     raw = program(torch_checkpoint)
     assert raw[0] is None or not torch.allclose(raw[0], reference[0]), "torch alone is wrong here"
-    missed = r"\[CKG101\][\s\S]*did not read 2 that the forward read"
-    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match=missed):
-        program(ckpt_guard.checkpoint)
-    with ckpt_guard.policy("fallback"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="CKG101"):
-        got = program(ckpt_guard.checkpoint)
-    for g, r in zip(got, reference):
-        torch.testing.assert_close(g, r)
+    for policy in ("strict", "fallback"):  # run once, plainly: right, and said
+        with ckpt_guard.policy(policy), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match=r"\[CKG101\][\s\S]*not lifted"):
+            got = program(ckpt_guard.checkpoint)
+        for g, r in zip(got, reference):
+            torch.testing.assert_close(g, r)
 
 
 def _add_one(t, buffer):
@@ -528,18 +534,19 @@ def _add_one(t, buffer):
     return (t * buffer).sin()
 
 
-def test_an_input_vmap_batches_written_in_place_is_refused_or_right():
-    """No copy of a batched input can be kept for the recompute: refused (strict), run plainly (fallback)."""
+def test_an_input_vmap_batches_written_in_place_is_right():
+    """A batched input the block updates in place (no gradient): the plain run keeps a copy of it at the
+    caller's levels (batched), which the recompute starts from; the buffers are updated once."""
     def program(ckpt):
         x = torch.linspace(0.1, 1, 12).reshape(3, 4).requires_grad_()
         buffers = torch.ones(3, 4)
         vmap(lambda t, b: ckpt(_add_one, t, b))(x, buffers).sum().backward()
         return x.grad, buffers  # the buffers updated once, as without checkpointing
 
-    with ckpt_guard.policy("strict"), pytest.raises(CheckpointCompositionError, match="writes in place into"):
-        program(ckpt_guard.checkpoint)
     for entry in ENTRIES:
-        assert_right_or_refused(program, entry)
+        before = _composable.RECOMPUTES
+        assert assert_right_or_refused(program, entry, refusable=False) is not None
+        assert _composable.RECOMPUTES > before
 
 
 def test_an_ensemble_of_train_batchnorms_counts_each_batch_once():
@@ -617,9 +624,10 @@ def test_a_shared_submodule_rebound_through_its_second_path_is_ckg110():
             out.backward()
 
 
-def test_a_module_switched_to_eval_behind_an_untracked_swap_is_ckg106():
+def test_a_module_switched_to_eval_behind_an_untracked_swap_keeps_the_plain_run():
     """Installed, a weight swapped by hand (not functional_call), a block the proof refuses, then eval():
-    torch's recompute runs behind the guard's read recorder, which must not hide the module from CKG106."""
+    the plain run the proof needed is the result (it used to be torch's checkpoint behind the guard's read
+    recorder, recomputing in eval mode: CKG106), so eval() changes nothing."""
     import sys
 
     class Mode(torch.nn.Module):
@@ -634,10 +642,13 @@ def test_a_module_switched_to_eval_behind_an_untracked_swap_is_ckg106():
     torch.manual_seed(0)
     net = Mode()
     net.lin._parameters["weight"] = net.lin.weight * 1.0  # an untracked swap
-    out = ckpt_guard.checkpoint(net, X.clone().requires_grad_())
+    x = X.clone().requires_grad_()
+    expected = torch.autograd.grad(net(x).sum(), x)[0]
+    # refused after its one plain run, which is the result: no recompute left for eval() to change
+    with pytest.warns(ckpt_guard.CheckpointCompositionWarning, match=r"CKG101[\s\S]*checkpointed: Mode"):
+        out = ckpt_guard.checkpoint(net, x)
     net.eval()
-    with pytest.raises(CheckpointCompositionError, match=r"CKG106[\s\S]*checkpointed: Mode"):
-        out.sum().backward()
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], expected)
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,701 @@
+"""The conformance matrix: every module kind × every transform × every way in, against the plain code.
+
+A *cell* is one program: a two-block model of one module kind (``KINDS``),
+differentiated one way torch.func users do (``TRANSFORMS``), its blocks
+reaching their tensors one way (``ACCESS``) and checkpointed through one entry
+(``ENTRIES``).  :func:`run_cell` runs it without checkpointing (the reference)
+and checkpointed, and says what happened (:class:`Outcome`):
+
+* ``checkpointed``: the results equal the reference and the blocks were
+  recomputed (the forward kept no activations: the memory saving);
+* ``plain``: the results equal the reference and the blocks ran without
+  checkpointing, for a reason of a listed refusal class (``refusal``); or,
+  where no reverse mode differentiates anything (``jvp``, ``jacfwd``, a
+  forward ``vmap``), because there is nothing to save;
+* ``refused``: ``CheckpointCompositionError`` (strict only) of a listed class;
+* ``n/a``: the plain code itself raises (the cell exists to show that the
+  guard then raises too, never returns a number), or the cell does not apply
+  (a transform over parameters where the block has none to be given);
+* ``WRONG`` / ``CRASH``: a number that differs, an error where the plain code
+  runs: a failure.
+
+"Results" are every tensor the program returns, the gradients an eager
+``.backward()`` leaves, and what the program leaves behind: the next number
+of the global RNG, every buffer of the model (BatchNorm's running
+statistics), and a module's call counter.
+
+The matrix is generated, as JAX's remat tests cross every transform with
+``jax.checkpoint``: :func:`cells` is the full cross of kinds × transforms for
+the main entries, and a pairwise cover (every pair of values of any two axes
+at least once) of all four axes.  ``python tests/conformance.py --write
+docs/conformance.md`` runs it on the installed torch and writes its table.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import itertools
+import json
+import re
+import sys
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, linearize, stack_module_state, vjp, vmap
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import checkpoint_sequential
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, _composable
+
+D, T, BATCH = 4, 3, 2  # features, tokens per sample, samples (or tasks, or ensemble members)
+DTYPE = torch.float64
+
+# --------------------------------------------------------------------------
+# module kinds: blocks mapping a (T, D) sample to a (T, D) sample
+
+#: how many times each block's Python ran (a global the recompute cannot bind back: it counts reruns)
+RUNS: Dict[int, int] = {}
+
+
+class Kind:
+    """A block factory, and what the kind needs from the cell."""
+
+    def __init__(self, make: Callable[[], nn.Module], *, random: bool = False, note: str = "") -> None:
+        self.make, self.random, self.note = make, random, note
+
+
+class Block(nn.Module):
+    """The kind's layers, with a run counter the matrix reads."""
+
+    def __init__(self, body: nn.Module, forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.body = body
+        self._forward = forward
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        RUNS[id(self)] = RUNS.get(id(self), 0) + 1
+        return self._forward(self.body, h)
+
+
+def _mlp(b, h):
+    return b[1](torch.tanh(b[0](h)))
+
+
+def _conv(b, h):
+    return F.relu(b(h.reshape(1, T, 2, 2))).reshape(T, D)
+
+
+def _residual_inplace(b, h):
+    # torchvision's BasicBlock: a residual added in place to a tensor the block made
+    out = F.relu(b[0](h), inplace=True)
+    out = b[1](out)
+    out += h
+    return F.relu(out, inplace=True)
+
+
+def _groupnorm(b, h):
+    return F.silu(b[1](b[0](h)))
+
+
+def _norm_then_linear(b, h):
+    return F.gelu(b[1](b[0](h)))
+
+
+def _bn(b, h):
+    return b[1](b[0](h))
+
+
+def _bn_maml(b, h):
+    # functorch's MAML example: Linear, BatchNorm(momentum=1, track_running_stats=False), ReLU(inplace=True)
+    return F.relu(b[1](b[0](h)), inplace=True)
+
+
+def _embedding(b, h):
+    return h + b.emb(b.idx) + b.lin(h)
+
+
+def _mha(b, h):
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    out, _ = b(h[None], h[None], h[None], attn_mask=mask, need_weights=False)
+    return out[0]
+
+
+def _encoder(b, h):
+    return b(h[None])[0]
+
+
+def _encoder_masked(b, h):
+    padding = torch.tensor([[False, False, True]])
+    return b(h[None], src_key_padding_mask=padding)[0]
+
+
+def _rnn(b, h):
+    return b(h[None])[0][0]
+
+
+def _gated(b, h):
+    # LLaMA's MLP: down(silu(gate(h)) * up(h))
+    return b[2](F.silu(b[0](h)) * b[1](h))
+
+
+def _seq(b, h):
+    return b(h)
+
+
+def _dropout(b, h):
+    return b[1](torch.tanh(b[0](h)))
+
+
+class _Counting(nn.Module):
+    """A module that counts its calls in a plain attribute and computes with the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.calls = 0
+
+    def forward(self, h):
+        self.calls += 1
+        return torch.tanh(self.lin(h)) / self.calls
+
+
+def _counting(b, h):
+    return b(h)
+
+
+def _embedding_body(max_norm=None):
+    body = nn.Module()
+    body.emb = nn.Embedding(5, D, max_norm=max_norm)
+    body.lin = nn.Linear(D, D)
+    body.register_buffer("idx", torch.tensor([0, 3, 1]))
+    return body
+
+
+def _bn_eval_body():
+    body = nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)).eval()
+    body[1].running_mean.uniform_(-0.5, 0.5)
+    body[1].running_var.uniform_(0.5, 1.5)
+    return body
+
+
+def _encoder_layer(train: bool):
+    layer = nn.TransformerEncoderLayer(D, 2, dim_feedforward=8, dropout=0.0, batch_first=True)
+    return layer.train(train)
+
+
+KINDS: Dict[str, Kind] = {
+    "mlp": Kind(lambda: Block(nn.Sequential(nn.Linear(D, 2 * D), nn.Linear(2 * D, D)), _mlp)),
+    "conv2d": Kind(lambda: Block(nn.Conv2d(T, T, 3, padding=1), _conv)),
+    "residual in place": Kind(lambda: Block(nn.Sequential(nn.Linear(D, D), nn.Linear(D, D)), _residual_inplace)),
+    "groupnorm": Kind(lambda: Block(nn.Sequential(nn.Linear(D, D), nn.GroupNorm(2, D)), _groupnorm)),
+    "layernorm": Kind(lambda: Block(nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D)), _norm_then_linear)),
+    "rmsnorm": Kind(lambda: Block(nn.Sequential(nn.RMSNorm(D), nn.Linear(D, D)), _norm_then_linear)),
+    "batchnorm eval": Kind(lambda: Block(_bn_eval_body(), _bn)),
+    "batchnorm train, no running stats": Kind(lambda: Block(nn.Sequential(
+        nn.Linear(D, D), nn.BatchNorm1d(D, momentum=1.0, track_running_stats=False)), _bn_maml)),
+    "batchnorm train, running stats": Kind(lambda: Block(nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)), _bn)),
+    "embedding": Kind(lambda: Block(_embedding_body(), _embedding)),
+    "embedding max_norm": Kind(lambda: Block(_embedding_body(max_norm=1.0), _embedding)),
+    "multihead attention": Kind(lambda: Block(nn.MultiheadAttention(D, 2, batch_first=True), _mha)),
+    "transformer layer, train": Kind(lambda: Block(_encoder_layer(True), _encoder)),
+    "transformer layer, eval, padding mask": Kind(lambda: Block(_encoder_layer(False), _encoder_masked)),
+    "lstm": Kind(lambda: Block(nn.LSTM(D, D, batch_first=True), _rnn)),
+    "gru": Kind(lambda: Block(nn.GRU(D, D, batch_first=True), _rnn)),
+    "silu gated mlp": Kind(lambda: Block(nn.ModuleList([nn.Linear(D, 2 * D), nn.Linear(D, 2 * D),
+                                                        nn.Linear(2 * D, D)]), _gated)),
+    "gelu mlp": Kind(lambda: Block(nn.Sequential(nn.Linear(D, 2 * D), nn.GELU("tanh"), nn.Linear(2 * D, D)), _seq)),
+    "dropout": Kind(lambda: Block(nn.Sequential(nn.Linear(D, D), nn.Dropout(0.3)), _dropout), random=True),
+    "call counter": Kind(lambda: Block(_Counting(), _counting)),
+}
+
+
+# --------------------------------------------------------------------------
+# ways in: how the checkpointed call reaches the block's tensors, and what checkpoints it
+
+
+def _apply(module, h):
+    return module(h)
+
+
+def _call_with_parameters(block, names, h, *tensors):
+    return functional_call(block, dict(zip(names, tensors)), (h,))
+
+
+def _checkpointed(ckpt: Callable[..., Any], block: nn.Module, access: str, h: torch.Tensor) -> torch.Tensor:
+    if access in ("module", "functional_call"):
+        return ckpt(block, h)
+    if access == "closure":
+        return ckpt(lambda t: block(t), h)
+    if access == "module as argument":
+        return ckpt(_apply, block, h)
+    if access == "argument":  # the block's parameters (the swapped ones, under functional_call) as arguments
+        names = [name for name, _ in block.named_parameters()]
+        tensors = [tensor for _, tensor in block.named_parameters()]
+        return ckpt(functools.partial(_call_with_parameters, block, names), h, *tensors)
+    raise ValueError(access)
+
+
+ACCESS = ("functional_call", "module", "closure", "module as argument", "argument")
+
+
+def _nr(function, *args):
+    return torch_checkpoint(function, *args, use_reentrant=False)
+
+
+def _r(function, *args):
+    return torch_checkpoint(function, *args, use_reentrant=True)
+
+
+def _plain(function, *args):
+    return function(*args)
+
+
+#: entry -> (policy, the checkpoint function the blocks are called through)
+ENTRIES: Dict[str, Tuple[str, Any]] = {
+    "ckpt_guard.checkpoint, strict": ("strict", ckpt_guard.checkpoint),
+    "ckpt_guard.checkpoint, fallback": ("fallback", ckpt_guard.checkpoint),
+    "torch checkpoint (non-reentrant), fallback": ("fallback", _nr),
+    "torch checkpoint (reentrant), fallback": ("fallback", _r),
+    "torch checkpoint_sequential, fallback": ("fallback", "sequential"),
+    "nested ckpt_guard.checkpoint, fallback": ("fallback", "nested"),
+}
+
+
+class Net(nn.Module):
+    def __init__(self, kind: str, access: str, entry: str, inside: Optional[str] = None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([KINDS[kind].make() for _ in range(2)])
+        self.access, self.inside = access, inside
+        self.ckpt: Any = _plain  # set per run
+        self.entry = entry
+
+    def _block_fn(self, block: nn.Module) -> nn.Module:
+        return block if self.inside is None else _Inside(block, self.inside)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ckpt = self.ckpt
+        if ckpt == "sequential":
+            return checkpoint_sequential(nn.Sequential(*map(self._block_fn, self.blocks)), 2, h, use_reentrant=False)
+        if ckpt == "nested":
+            def pair(t):
+                for block in self.blocks:
+                    t = _checkpointed(ckpt_guard.checkpoint, self._block_fn(block), self.access, t)
+                return t
+            return ckpt_guard.checkpoint(pair, h)
+        for block in self.blocks:
+            h = _checkpointed(ckpt, self._block_fn(block), self.access, h)
+        return h
+
+
+class _Inside(nn.Module):
+    """The block with a torch.func transform inside it (forces as -dE/dh; a vmap over copies)."""
+
+    def __init__(self, block: nn.Module, how: str) -> None:
+        super().__init__()
+        self.block, self.how = block, how
+
+    def forward(self, h):
+        if self.how == "grad":
+            return h - 0.1 * grad(lambda u: self.block(u).pow(2).sum())(h)
+        return vmap(self.block)(torch.stack([h, 0.5 * h])).sum(0)
+
+
+# --------------------------------------------------------------------------
+# transforms: what a cell computes, given the model as functions of (params, x)
+
+W_OUT = torch.linspace(-1.0, 1.0, T * D, dtype=DTYPE).reshape(T, D)
+
+
+@dataclasses.dataclass
+class Program:
+    """The model as the transforms see it, and the data.
+
+    As in torch.func's tutorials, the parameters and the buffers are both
+    arguments of the function transformed (``functional_call(net, (p, b), x)``);
+    only the parameters and the input are ever differentiated.
+    """
+
+    net: Net
+    params: Dict[str, torch.Tensor]  # the transforms' parameters (empty: the module keeps its own)
+    buffers: Dict[str, torch.Tensor]
+    x: torch.Tensor  # one sample (T, D)
+    xs: torch.Tensor  # a batch (BATCH, T, D)
+    v: torch.Tensor  # a direction in x's space
+
+    def features(self, p, b, x):
+        if not p:
+            return self.net(x)
+        return functional_call(self.net, (p, b), (x,))
+
+    def loss(self, p, b, x):
+        return (torch.tanh(self.features(p, b, x)) * W_OUT).sum()
+
+    def vector(self, p, b, x):
+        return self.features(p, b, x).mean(0)
+
+
+def _sq(tree) -> torch.Tensor:
+    return sum(t.pow(2).sum() for t in torch.utils._pytree.tree_leaves(tree))
+
+
+def _t_grad(pr):
+    return grad(pr.loss, argnums=(0, 2))(pr.params, pr.buffers, pr.x)
+
+
+def _t_vmap_grad(randomness):
+    def run(pr):
+        per_sample = grad(pr.loss, argnums=(0, 2))
+        return vmap(per_sample, in_dims=(None, None, 0), randomness=randomness)(pr.params, pr.buffers, pr.xs)
+    return run
+
+
+def _t_jacrev(pr):
+    return jacrev(pr.vector, argnums=2)(pr.params, pr.buffers, pr.x)
+
+
+def _t_jacfwd(pr):
+    return jacfwd(pr.vector, argnums=2, randomness="different")(pr.params, pr.buffers, pr.x)
+
+
+def _t_hessian(pr):
+    return hessian(pr.loss, argnums=2)(pr.params, pr.buffers, pr.x)
+
+
+def _t_jvp(pr):
+    return jvp(lambda x: pr.vector(pr.params, pr.buffers, x), (pr.x,), (pr.v,))
+
+
+def _t_jvp_grad(pr):
+    return jvp(lambda x: grad(pr.loss, argnums=2)(pr.params, pr.buffers, x), (pr.x,), (pr.v,))
+
+
+def _t_vjp_grad(pr):
+    _, pullback = vjp(lambda x: grad(pr.loss, argnums=2)(pr.params, pr.buffers, x), pr.x)
+    return pullback(pr.v)
+
+
+def _t_grad_grad(pr):
+    def norm_of_gradient(p, b, x):
+        return _sq(grad(pr.loss, argnums=(0, 2))(p, b, x))
+    return grad(norm_of_gradient, argnums=(0, 2))(pr.params, pr.buffers, pr.x)
+
+
+def _t_linearize(pr):
+    _, jvp_fn = linearize(lambda x: pr.vector(pr.params, pr.buffers, x), pr.x)
+    return jvp_fn(pr.v)
+
+
+def _eager_leaves(pr) -> List[torch.Tensor]:
+    """What an eager ``.backward()`` differentiates: the parameters, or the module's own."""
+    return list(pr.params.values()) if pr.params else [p for p in pr.net.parameters()]
+
+
+def _backward_grads(pr, total) -> List[torch.Tensor]:
+    leaves = _eager_leaves(pr)
+    total.backward()
+    return [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+
+def _t_jvp_backward(pr):
+    # a MeanFlow loss: the value and its tangent, then an eager backward
+    out, tangent = jvp(lambda x: pr.vector(pr.params, pr.buffers, x), (pr.x,), (pr.v,))
+    return [out, tangent, *_backward_grads(pr, out.sum() + tangent.pow(2).sum())]
+
+
+def _t_vmap_backward(pr):
+    out = vmap(pr.loss, in_dims=(None, None, 0), randomness="different")(pr.params, pr.buffers, pr.xs)
+    return [out, *_backward_grads(pr, out.sum())]
+
+
+def _t_maml(pr):
+    # functorch's MAML example: vmap over tasks, an inner grad step, the outer loss's eager backward
+    def task_loss(x_support, x_query):
+        g = grad(pr.loss)(pr.params, pr.buffers, x_support)
+        fast = {k: w - 0.1 * g[k] for k, w in pr.params.items()}
+        return pr.loss(fast, pr.buffers, x_query)
+
+    losses = vmap(task_loss, randomness="different")(pr.xs, pr.xs.flip(0))
+    return [losses, *_backward_grads(pr, losses.sum())]
+
+
+def _t_ensemble(pr):
+    # the model-ensembling tutorial: stacked copies of the parameters, vmapped over members
+    members = [{k: w.detach() * (1.0 + 0.1 * i) for k, w in pr.params.items()} for i in range(BATCH)]
+    stacked = {k: torch.stack([m[k] for m in members]) for k in pr.params}
+    return vmap(grad(pr.loss), in_dims=(0, None, None), randomness="different")(stacked, pr.buffers, pr.x)
+
+
+def _t_inside(pr):  # the outer transform over a block with a transform inside (see Net.inside)
+    return _t_grad(pr)
+
+
+TRANSFORMS: Dict[str, Callable[[Program], Any]] = {
+    "grad": _t_grad,
+    "vmap(grad), randomness same": _t_vmap_grad("same"),
+    "vmap(grad), randomness different": _t_vmap_grad("different"),
+    "jacrev": _t_jacrev,
+    "jacfwd": _t_jacfwd,
+    "hessian": _t_hessian,
+    "jvp": _t_jvp,
+    "jvp(grad)": _t_jvp_grad,
+    "vjp(grad)": _t_vjp_grad,
+    "grad(grad)": _t_grad_grad,
+    "linearize": _t_linearize,
+    "jvp, then .backward()": _t_jvp_backward,
+    "vmap, then .backward()": _t_vmap_backward,
+    "MAML": _t_maml,
+    "ensemble (stack_module_state)": _t_ensemble,
+    "grad inside the block": _t_inside,
+    "vmap inside the block": _t_inside,
+}
+
+#: transforms that differentiate no reverse mode: nothing for a checkpoint to save
+FORWARD_ONLY = frozenset({"jvp", "jacfwd", "linearize"})
+#: transforms that need the parameters as the transform's inputs
+OVER_PARAMETERS = frozenset({"MAML", "ensemble (stack_module_state)"})
+
+# --------------------------------------------------------------------------
+# running a cell
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    kind: str
+    transform: str
+    access: str
+    entry: str
+
+    def label(self) -> str:
+        return f"{self.kind} | {self.transform} | {self.access} | {self.entry}"
+
+
+@dataclasses.dataclass
+class Outcome:
+    verdict: str  # checkpointed | plain | refused | n/a | WRONG | CRASH
+    detail: str = ""
+    refusal: str = ""  # the refusal class, where it ran plainly or was refused
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict in ("WRONG", "CRASH")
+
+
+_TEMPLATES: Dict[Tuple[str, str, str, Optional[str]], Net] = {}
+
+
+def _fresh_net(cell: Cell) -> Net:
+    inside = {"grad inside the block": "grad", "vmap inside the block": "vmap"}.get(cell.transform)
+    key = (cell.kind, cell.access, cell.entry, inside)
+    if key not in _TEMPLATES:
+        torch.manual_seed(0)
+        _TEMPLATES[key] = Net(cell.kind, cell.access, cell.entry, inside).to(DTYPE)
+    net = copy.deepcopy(_TEMPLATES[key])
+    return net
+
+
+def _program(cell: Cell, ckpt: Any) -> Program:
+    net = _fresh_net(cell)
+    net.ckpt = ckpt
+    generator = torch.Generator().manual_seed(1)
+    xs = torch.randn(BATCH, T, D, dtype=DTYPE, generator=generator)
+    v = torch.randn(T, D, dtype=DTYPE, generator=generator)
+    if cell.access == "module":
+        params, buffers = {}, {}
+    else:
+        params = {k: w.detach().clone().requires_grad_() for k, w in net.named_parameters()}
+        buffers = {k: b.detach().clone() for k, b in net.named_buffers()}
+    return Program(net, params, buffers, xs[0].clone(), xs, v)
+
+
+def _leaves(value) -> List[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _execute(cell: Cell, ckpt: Any) -> Tuple[List[torch.Tensor], int]:
+    """The cell's results (see the module docstring) and how many times its blocks' Python ran."""
+    RUNS.clear()
+    program = _program(cell, ckpt)
+    torch.manual_seed(2)
+    results = _leaves(TRANSFORMS[cell.transform](program))
+    after = [torch.rand(1, dtype=DTYPE)]  # the global RNG as the program leaves it
+    after += [b.detach().clone() for b in program.net.buffers()]
+    after += [b.detach().clone() for b in program.buffers.values()]
+    counters = [m.calls for m in program.net.modules() if isinstance(m, _Counting)]
+    after += [torch.tensor(float(c)) for c in counters]
+    return [r.detach() for r in results] + after, sum(RUNS.values())
+
+
+def _compare(got: List[torch.Tensor], reference: List[torch.Tensor]) -> str:
+    if len(got) != len(reference):
+        return f"{len(got)} results against {len(reference)}"
+    for i, (g, r) in enumerate(zip(got, reference)):
+        try:
+            torch.testing.assert_close(g, r, equal_nan=True)
+        except AssertionError as exc:
+            first = str(exc).strip().splitlines()
+            return f"result {i}: {' '.join(first[:3])}"
+    return ""
+
+
+#: refusal classes (docs/limits.md lists each under "Refusal classes"): a pattern of the refusal's words
+REFUSAL_CLASSES: Dict[str, str] = {
+}
+
+
+def refusal_reason(text: str) -> str:
+    for marker in ("could not use its composable recompute here: ", "could not be used, because "):
+        if marker in text:
+            return text.split(marker, 1)[1].split("\n", 1)[0]
+    return text.split("\n", 1)[0]
+
+
+def refusal_class(text: str) -> str:
+    match = re.search(r"\[refusal ([a-z0-9-]+)\]", text)
+    if match:
+        return match.group(1)
+    for name, pattern in REFUSAL_CLASSES.items():
+        if re.search(pattern, text):
+            return name
+    return "unclassified"
+
+
+def run_cell(cell: Cell) -> Outcome:
+    if cell.access == "module" and cell.transform in OVER_PARAMETERS:
+        return Outcome("n/a", "the transform takes the parameters; the module keeps its own here")
+    if cell.entry == "torch checkpoint_sequential, fallback" and cell.access != "module":
+        return Outcome("n/a", "checkpoint_sequential takes modules")
+    policy, ckpt = ENTRIES[cell.entry]
+    was_installed = ckpt_guard.is_installed()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reference, reference_runs = _execute(cell, _plain)
+    except Exception as exc:  # noqa: BLE001 - the plain code raises: the guarded run must not return numbers
+        reference, reference_error = None, exc
+    before = _composable.RECOMPUTES
+    ckpt_guard.install(policy, rules={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got, runs = _execute(cell, ckpt)
+            except CheckpointCompositionError as exc:
+                if reference is None:
+                    return Outcome("n/a", f"the plain code raises {type(reference_error).__name__}")
+                if policy != "strict":
+                    return Outcome("CRASH", f"{policy} raised {exc.rule.id}: {_short(exc)}")
+                return Outcome("refused", f"{exc.rule.id}: {refusal_reason(str(exc))[:300]}", refusal_class(str(exc)))
+            except Exception as exc:  # noqa: BLE001
+                if reference is None:
+                    return Outcome("n/a", f"the plain code raises {type(reference_error).__name__}")
+                return Outcome("CRASH", f"{type(exc).__name__}: {_short(exc)}")
+    finally:
+        ckpt_guard.uninstall()
+        if was_installed:
+            ckpt_guard.install("strict", rules={})
+    if reference is None:
+        return Outcome("WRONG", f"the plain code raises {type(reference_error).__name__}: "
+                                f"{_short(reference_error)}, the checkpointed one returned numbers")
+    wrong = _compare(got, reference)
+    if wrong:
+        return Outcome("WRONG", wrong)
+    recomputed = runs > reference_runs or _composable.RECOMPUTES > before
+    if recomputed:
+        return Outcome("checkpointed")
+    words = " ".join(str(w.message) for w in caught if issubclass(w.category, ckpt_guard.CheckpointCompositionWarning))
+    if cell.transform in FORWARD_ONLY and not words:
+        return Outcome("plain", "no reverse mode: nothing to save", "forward-only")
+    return Outcome("plain", refusal_reason(words)[:300], refusal_class(words) if words else "silent")
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:240]
+
+
+# --------------------------------------------------------------------------
+# which cells: the full cross where it matters most, pairwise for the rest
+
+MAIN_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback",
+                "torch checkpoint (non-reentrant), fallback")
+
+
+def _pairwise(axes: List[Tuple[str, ...]]) -> List[Tuple[str, ...]]:
+    """A small set of rows covering every pair of values of any two axes (greedy, deterministic)."""
+    uncovered = {
+        (i, a, j, b)
+        for i, j in itertools.combinations(range(len(axes)), 2)
+        for a in axes[i] for b in axes[j]
+    }
+    rows = []
+    while uncovered:
+        best, best_count = None, -1
+        # seed with the first uncovered pair, then choose the remaining values greedily
+        i0, a0, j0, b0 = min(uncovered)
+        row: List[Optional[str]] = [None] * len(axes)
+        row[i0], row[j0] = a0, b0
+        for k in range(len(axes)):
+            if row[k] is not None:
+                continue
+            choice, choice_count = None, -1
+            for value in axes[k]:
+                count = sum(
+                    1 for m in range(len(axes)) if row[m] is not None
+                    for key in [((m, row[m], k, value) if m < k else (k, value, m, row[m]))] if key in uncovered
+                )
+                if count > choice_count:
+                    choice, choice_count = value, count
+            row[k] = choice
+        covered = {
+            (i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(axes)), 2)
+        } & uncovered
+        uncovered -= covered
+        rows.append(tuple(row))
+        del best, best_count
+    return rows
+
+
+def cells() -> List[Cell]:
+    found: Dict[Cell, None] = {}
+    for kind in KINDS:
+        for transform in TRANSFORMS:
+            for entry in MAIN_ENTRIES:
+                found[Cell(kind, transform, "functional_call", entry)] = None
+    for kind, transform, access, entry in _pairwise([tuple(KINDS), tuple(TRANSFORMS), ACCESS, tuple(ENTRIES)]):
+        found[Cell(kind, transform, access, entry)] = None
+    return list(found)
+
+
+def main(argv: List[str]) -> int:
+    import time
+
+    selected = cells()
+    if "--kind" in argv:
+        want = argv[argv.index("--kind") + 1]
+        selected = [c for c in selected if c.kind == want]
+    if "--transform" in argv:
+        want = argv[argv.index("--transform") + 1]
+        selected = [c for c in selected if c.transform == want]
+    counts: Dict[str, int] = {}
+    failures = []
+    started = time.perf_counter()
+    for cell in selected:
+        t0 = time.perf_counter()
+        outcome = run_cell(cell)
+        counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
+        if outcome.failed or "-v" in argv:
+            print(f"{outcome.verdict:12} {time.perf_counter() - t0:6.2f}s {cell.label()}: {outcome.refusal} {outcome.detail}")
+        if outcome.failed:
+            failures.append(cell)
+    print(json.dumps(counts), f"{len(selected)} cells in {time.perf_counter() - started:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
