@@ -127,6 +127,55 @@ class Refused(Exception):
 #: :attr:`Refused.output` where the block has not run
 NOT_RUN = object()
 
+class Reason(str):
+    """Why a call cannot be packed into the recompute: the words users read, and a stable class.
+
+    The class (``kind``) names a design decision, listed in ``REFUSAL_CLASSES``
+    and, in full, in ``docs/limits.md`` ("Refusal classes"); the conformance
+    matrix accepts a refusal only of a listed class.
+    """
+
+    kind: str
+
+    def __new__(cls, kind: str, text: str) -> "Reason":
+        if kind not in REFUSAL_CLASSES:
+            raise ValueError(f"unknown refusal class {kind!r}")
+        reason = str.__new__(cls, text)
+        reason.kind = kind
+        return reason
+
+    def described(self) -> str:
+        """The words, with the class to look up."""
+        return f"{self} (refusal class {self.kind}, see docs/limits.md)"
+
+
+def describe_reason(reason: str) -> str:
+    return reason.described() if isinstance(reason, Reason) else reason
+
+
+#: every refusal class: what it is about, in one line (docs/limits.md says why each is one)
+REFUSAL_CLASSES = {
+    "user-mode": "a user TorchDispatchMode or TorchFunctionMode is active: the recompute would run without it",
+    "functionalize": "functionalize does not transform custom autograd Functions",
+    "forward-over-forward": "jvp over jvp: forward mode does not differentiate a custom jvp",
+    "dual-level": "a forward-AD dual level of the user's own (not torch.func.jvp's), with reverse mode too",
+    "parametrize-cached": "torch.nn.utils.parametrize.cached(): its cache would hold the recompute's tensors",
+    "tensor-subclass": "a tensor subclass with its own __torch_function__ (ExpandedWeights)",
+    "global-tensor": "a tensor needing a gradient read through a global or a class attribute",
+    "unlifted-read": "a tensor needing a gradient read where the walk cannot bind it (found at run time)",
+    "leaf-inside": "the block makes a tensor require grad (requires_grad_()): a leaf inside the checkpoint",
+    "write-outside": "the block writes in place into a tensor it was neither given nor made",
+    "unseen-update": "an input's memory changed in a way no torch function showed (a C extension)",
+    "long-container": "the block changes a container too long to keep a copy of",
+}
+
+
+#: :attr:`Plan.unpacked` where no reverse mode could differentiate the call
+NOTHING_TO_SAVE = (
+    "no reverse mode can differentiate it here (forward mode, a forward vmap, nothing requiring grad): "
+    "the plain run kept nothing a checkpoint could save"
+)
+
 
 class UnrepeatableForward(RuntimeError):
     """Kept for compatibility: the forward updated an input in place without the proof keeping its value.
@@ -233,6 +282,8 @@ class Plan:
         self.n_inputs = len(self.inputs)
         #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
         self.refusal: Optional[str] = None
+        #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
+        self.unpacked: Optional[str] = None
         self.versions: List[Optional[int]] = []
         self.vmaps_at_forward: frozenset = frozenset()
         #: the versions, once the forward has run, of the inputs it read (None for the others):
@@ -245,6 +296,8 @@ class Plan:
         #: inputs needing a gradient the forward rewrote with what a rewrite leaves as is (an
         #: Embedding's max_norm): each recompute starts from a copy of the saved one
         self.rewritten: frozenset = frozenset()
+        #: the inputs the block updates in place: every recompute hands it copies of these
+        self.written: frozenset = frozenset()
         self.output_template: Any = None
         self.output_ids: List[int] = []
         self.output_kept: List[bool] = []
@@ -272,7 +325,15 @@ class Plan:
         self.inputs = ()
 
     def call(self, tensors: Sequence[Tensor]) -> Any:
-        """The block on ``tensors`` (a recompute's): its template filled in, its modules bound to them."""
+        """The block on ``tensors`` (a recompute's): its template filled in, its modules bound to them.
+
+        An input the block updates in place is handed to it as a copy made
+        here, inside what the recompute differentiates: the saved one stays as
+        it is for the next recompute, and the update is one the recompute's own
+        level records (a leaf of the vjp's level cannot be written in place).
+        """
+        if self.written:
+            tensors = [t.clone() if i in self.written else t for i, t in enumerate(tensors)]
         rebuild = _rebind._Rebuild({}, fill=tensors)
         bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
         for module, name, value in self.scalars:
@@ -348,6 +409,7 @@ class Plan:
                 return output
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i])}
             self.rewritten = frozenset(check.rewritten)
+            self.written = frozenset(self.pre_forward) | self.rewritten
             self.read = None if check.unseen_reads else check.read
         if given:
             self.contents, self.refusal = _contents_to_replay(given)
@@ -392,31 +454,22 @@ class Plan:
         """The Function's forward: the plain run's outputs, as they arrive at this level (never a rerun)."""
         return tuple(t.detach() for t in tensors[self.n_inputs:])
 
-    def for_recompute(self, tensors: Sequence[Tensor], substitute: bool = True) -> Tuple[Tensor, ...]:
-        """The saved inputs, as the recompute may use them: each checked, and copied where the block updates it.
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The saved inputs, checked: every input the forward read must still be what it read.
 
         An input the forward updated in place (a BatchNorm's running
-        statistics) was saved as a copy of what the forward started from
-        (see :func:`_run`): each recompute updates a copy of that copy, so the
-        update happens once, as without checkpointing.  So does an input
-        needing a gradient that the block rewrites idempotently (``rewritten``).
-        Every other input the forward read must still be what it read
-        (:class:`ChangedSinceForward`).  A derivative's recompute
-        (``substitute=False``) is handed copies already: only the version of
-        the others is checked.
+        statistics, ``h += pos``) was saved as a copy of what the forward
+        started from (see :func:`_run`), and each recompute updates a copy of
+        that copy (:meth:`call`), so the update happens once, as without
+        checkpointing; an input needing a gradient that the block rewrites
+        idempotently (``rewritten``) is copied too.  Any other input whose
+        version moved raises :class:`ChangedSinceForward`.
         """
         for i, (t, was) in enumerate(zip(tensors, self.versions_after)):
-            if (
-                was is not None and i not in self.pre_forward and (substitute or i not in self.rewritten)
-                and _version(_base(t)) != was
-            ):
+            if was is not None and i not in self.pre_forward and _version(_base(t)) != was:
                 self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
                 raise self._changed_since_forward(i, t, was)
-        if not (self.pre_forward or self.rewritten):
-            return tuple(tensors)
-        return tuple(
-            t.clone() if i in self.pre_forward or i in self.rewritten else t for i, t in enumerate(tensors)
-        )
+        return tuple(tensors)
 
     def _unseen_update(self, check: _proof.ReadCheck) -> Optional[str]:
         """Why the call cannot be packed, if the forward moved an input's version with no copy kept."""
@@ -424,10 +477,11 @@ class Plan:
             if was is None or _version(_base(t)) == was or i in check.before or i in check.rewritten:
                 continue
             path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
-            return (
+            return Reason(
+                "unseen-update",
                 f"the block updated {path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place "
                 "in a way the run-time proof did not see coming (a C extension, or with torch functions "
-                "off), so no copy of what it started from was kept for the recompute"
+                "off), so no copy of what it started from was kept for the recompute",
             )
         return None
 
@@ -523,7 +577,7 @@ def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
     changed = [entry for entry in _state.changed_at_all(given) if entry[2] != "tensor"]
     for path, value, kind, recorded in changed:
         if not _state.replayable([(path, value, kind, recorded)]):
-            return [], f"it changes {path}, a container too long to keep a copy of"
+            return [], Reason("long-container", f"it changes {path}, a container too long to keep a copy of")
     return changed, None
 
 
@@ -554,7 +608,7 @@ class _Derivative:
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
-        primals, extra = self.base.for_recompute(tensors[:n], substitute=False), tensors[n:]
+        primals, extra = self.base.for_recompute(tensors[:n]), tensors[n:]
         with self.base.replay():
             if self.kind == "jvp":
                 return _jvp(self.base, primals, self.wanted, extra)
@@ -578,7 +632,7 @@ class _Derivative:
     def replay(self) -> Any:
         return contextlib.nullcontext()  # its function replays the base
 
-    def for_recompute(self, tensors: Sequence[Tensor], substitute: bool = True) -> Tuple[Tensor, ...]:
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         return tuple(tensors)  # its function asks the base
 
     def differentiable_outputs(self) -> List[bool]:
@@ -652,8 +706,8 @@ class _Batched:
     def replay(self) -> Any:
         return self.base.replay()
 
-    def for_recompute(self, tensors: Sequence[Tensor], substitute: bool = True) -> Tuple[Tensor, ...]:
-        return self.base.for_recompute(tensors, substitute)
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return self.base.for_recompute(tensors)
 
     def differentiable_outputs(self) -> List[bool]:
         return self.base.differentiable_outputs()
@@ -985,10 +1039,11 @@ def plan(
         if unlifted:
             names = _global_names(function, unlifted[0])
             which = f"the global {names}" if names else "a global"
-            why = (
+            why = Reason(
+                "global-tensor",
                 f"it reads a tensor that needs a gradient through {which}, which cannot be passed to "
                 "the recompute as an input (its gradient would be lost); pass it to the block as an "
-                "argument instead: ckpt_guard.checkpoint(block, x, w) with block(x, w)"
+                "argument instead: ckpt_guard.checkpoint(block, x, w) with block(x, w)",
             )
             if _reverse_mode_possible(args, kwargs, held):
                 return why
@@ -1001,20 +1056,25 @@ def plan(
 def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
     """A reason, read from torch's state, why no recompute of this call could be right (or None)."""
     if _state.user_dispatch_modes() or _state.user_function_modes():
-        return "a user mode is active: the recompute would run without it"
+        return Reason("user-mode", "a user mode is active: the recompute would run without it")
     stack = [name for name, _ in _state.transform_stack()]
     transforms = set(stack)
     if "functionalize" in transforms:
-        return "functionalize does not transform custom autograd Functions"
+        return Reason("functionalize", "functionalize does not transform custom autograd Functions")
     if stack.count("jvp") > 1:  # measured: jvp(jvp(...)), jacfwd(jacfwd(...)) get zero tangents
-        return "forward-mode AD over forward-mode AD does not differentiate through a custom jvp"
+        return Reason(
+            "forward-over-forward", "forward-mode AD over forward-mode AD does not differentiate through a custom jvp"
+        )
     # torch.func.jvp runs inside a dual level of its own; outside it, a dual level is the user's
     if _state.forward_ad._current_level >= 0 and "jvp" not in transforms:
-        return "forward-mode AD (dual_level) is active: its jvp would nest torch.func.jvp inside it"
+        return Reason(
+            "dual-level", "forward-mode AD (dual_level) is active: its jvp would nest torch.func.jvp inside it"
+        )
     if _parametrization_cache_enabled():
-        return (
+        return Reason(
+            "parametrize-cached",
             "torch.nn.utils.parametrize.cached() is active: the block's forward would fill its cache "
-            "with tensors computed below the transforms, which the code after the block reads"
+            "with tensors computed below the transforms, which the code after the block reads",
         )
     return None
 
@@ -1022,9 +1082,10 @@ def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
 def _why_not_packed_held(function: Any, held: _rebind.Holdings) -> Optional[str]:
     subclass = _tensor_subclass_in(held)
     if subclass is not None:
-        return (
+        return Reason(
+            "tensor-subclass",
             f"it reads a {subclass.__name__}, a tensor subclass with its own __torch_function__, which "
-            "a recompute under other torch.func levels cannot pass through"
+            "a recompute under other torch.func levels cannot pass through",
         )
     return None
 
@@ -1040,7 +1101,8 @@ def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) ->
     tensors = [*held.tensors, *held.arguments, *held.unbindable]
     for module in held.modules:
         tensors += [*module.__dict__["_parameters"].values(), *module.__dict__["_buffers"].values()]
-    return any(isinstance(t, Tensor) and _state.requires_grad_anywhere(t) for t in tensors)
+    with torch._C.DisableTorchFunctionSubclass():  # an ExpandedWeight refuses even .requires_grad
+        return any(isinstance(t, Tensor) and _state.requires_grad_anywhere(t) for t in tensors)
 
 
 def _global_names(function: Any, tensor: Tensor) -> str:
@@ -1112,6 +1174,7 @@ def _run(built: Plan) -> Any:
     found = _output_tensors(output)
     if not _reverse_mode_can_follow(found):  # forward mode and vmap keep nothing: nothing to save
         built.release()
+        built.unpacked = built.refusal or NOTHING_TO_SAVE
         return output
     if built.refusal is not None:
         reason = built.refusal
@@ -1143,7 +1206,7 @@ def _reverse_mode_can_follow(outputs: Sequence[Tensor]) -> bool:
     return any(_base(t).requires_grad for t in outputs)
 
 
-def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:
+def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> Reason:
     tensor = read.tensor
     path = _rebind.describe_path(built.original_function, built.args, built.kwargs, tensor)
     if _state.is_functorch_wrapped_tensor(tensor):
@@ -1151,24 +1214,27 @@ def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> str:
     else:
         what = "a tensor that requires grad"
     shape = tuple(_base(tensor).shape)
-    where = f"{path}" if path else f"a path the guard cannot name (shape {shape})"
+    where = f"{path}" if path else f"a tensor the guard cannot name (shape {shape})"
+    if read.operation == "Tensor.requires_grad_":
+        return Reason(
+            "leaf-inside",
+            f"the block makes {where} require grad (requires_grad_() at {read.site}): a leaf made inside "
+            "a checkpoint gets no gradient from its recompute, and torch.func refuses requires_grad_() "
+            "there (make it require grad outside the block and pass it in)",
+        )
     if read.outside:
-        return (
+        return Reason(
+            "write-outside",
             f"the block writes in place into {where}, a tensor it was neither given nor made by a "
             f"torch operation (through {read.operation} at {read.site}): the recompute would write it a "
             "second time and start from what the forward wrote (pass it to the block as an argument; "
-            "one the block makes with torch.Tensor(...) or from NumPy: make it with torch.zeros or torch.tensor)"
-        )
-    if read.write:
-        return (
-            f"the block writes in place into {where}, an input a torch.func transform batches or "
-            f"differentiates (through {read.operation} at {read.site}): no copy of what the forward "
-            "started from can be kept for the recompute"
+            "one the block makes with torch.Tensor(...) or from NumPy: make it with torch.zeros or torch.tensor)",
         )
     how = "returned it" if read.operation == "returned" else f"passed it to {read.operation}"
-    return (
+    return Reason(
+        "unlifted-read",
         f"the block reads {what} that was not lifted into the recompute's inputs: {where}; "
-        f"it {how} at {read.site} (its gradient would have been lost)"
+        f"it {how} at {read.site} (its gradient would have been lost)",
     )
 
 

@@ -486,7 +486,7 @@ def _with_refusal(message: str, refused: str) -> str:
     if not refused:
         return message
     lines = [line for line in message.splitlines() if _SUGGESTS_CHECKPOINT not in line]
-    why = f"  ckpt_guard.checkpoint could not use its composable recompute here: {refused}"
+    why = "  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(refused)
     at = next((i + 1 for i, line in enumerate(lines) if line.startswith("  variant:")), len(lines))
     return "\n".join([*lines[:at], why, *lines[at:]])  # the cause next to the variant, before the fixes
 
@@ -1434,7 +1434,7 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
                         return refused.output
                     with forward_context_of(context_fn) or contextlib.nullcontext():
                         return function(*args, **kwargs)
-                announce(None)
+                announce(built.unpacked)  # None: packed into the recompute
                 return result
     return original()
 
@@ -1523,7 +1523,7 @@ def composable_instead(
             event = "fallback: no checkpoint"
             action = (
                 "ran it without checkpointing (policy fallback): ckpt_guard's composable recompute "
-                f"could not be used, because {refusal}"
+                f"could not be used, because {_composable.describe_reason(refusal)}"
             )
         elif anticipated:
             event = COMPOSABLE_ACTION
@@ -1603,7 +1603,7 @@ def _untracked_swap(
     details = dict(
         variant=describe_variant(False, False), source=config.source, **_where(function, (), site_frame),
     )
-    refused = f"\n  ckpt_guard.checkpoint could not use its composable recompute here: {reason}"
+    refused = "\n  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(reason)
     if policy == "fallback":
         _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
         _warn(build_message(
@@ -1641,7 +1641,7 @@ def _refused_under_swap(function: Any, config: _config.Config, reason: str) -> N
         variant="ckpt_guard.checkpoint, run without checkpointing (see the next line)", source=config.source,
         **_where(function, (), site_frame),
     )
-    refused = f"\n  ckpt_guard.checkpoint could not use its composable recompute here: {reason}"
+    refused = "\n  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(reason)
     _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
     _warn(build_message(
         rule, site=site, policy=policy, anticipated=True, worked=True,

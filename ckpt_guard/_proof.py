@@ -84,9 +84,9 @@ class ReadCheck(TorchFunctionMode):
     copy of what that given tensor stands for, so that the recompute can start
     from what the forward started from.  ``sources`` are those tensors (the
     recompute's inputs, index for index with the given ones); ``before`` maps
-    an input's index to the copy kept of it (made at the caller's levels).  A
-    write into a given tensor that needs a gradient is refused: its update is
-    part of what the caller differentiates, which no recompute can replay.
+    an input's index to the copy kept of it (made at the caller's levels,
+    differentiable: the recompute's gradient for that input reaches what it
+    was before the write).
 
     The first refusal lands in ``refused``; after it the mode only runs the
     operations (the call will not be packed, so nothing more is needed).
@@ -230,10 +230,11 @@ class ReadCheck(TorchFunctionMode):
         """Copy each given tensor the coming operation may write into (at most once per input).
 
         Matched by identity, or by memory (a view of a given tensor, its
-        ``.data``, another input on the same storage: each is copied).  An
-        input that needs a gradient is refused instead (what the caller
-        differentiates includes the update itself), unless the write is one
-        known to leave what it wrote as it is (``rewritten``).
+        ``.data``, another input on the same storage: each is copied).  The
+        copy is differentiable (:func:`_differentiable_copy`), so an input that
+        needs a gradient (``h += pos``, ``nn.ReLU(inplace=True)`` first in the
+        block) is recomputed from what it was and its gradient reaches that; a
+        write known to leave what it wrote as it is (``rewritten``) keeps none.
         """
         name = getattr(func, "__name__", None)
         targets = _written(func, args, kwargs)
@@ -248,18 +249,15 @@ class ReadCheck(TorchFunctionMode):
                     if i in self.before:
                         continue
                     source = self.sources[i]
-                    if _requires_grad_anywhere(source):
-                        if name in _IDEMPOTENT_NO_GRAD_WRITES:
-                            # no part of what is differentiated, and a no-op on what it wrote: the
-                            # recompute starts from the current value (a copy of it)
-                            self.rewritten.add(i)
-                            continue
-                        self._refuse(item, _name(func), write=True)
-                        return
-                    self.before[i] = source.detach().clone()
+                    if name in _IDEMPOTENT_NO_GRAD_WRITES and _requires_grad_anywhere(source):
+                        # no part of what is differentiated, and a no-op on what it wrote: the
+                        # recompute starts from the current value (a copy of it)
+                        self.rewritten.add(i)
+                        continue
+                    self.before[i] = _differentiable_copy(source)
                     for j in self._storages().get(_storage_address(source), ()):  # its storage's other inputs
-                        if j not in self.before and not _requires_grad_anywhere(self.sources[j]):
-                            self.before[j] = self.sources[j].detach().clone()
+                        if j not in self.before:
+                            self.before[j] = _differentiable_copy(self.sources[j])
 
     def _refuse_outside_writes(self, func: Any, args: tuple, kwargs: Optional[dict]) -> None:
         """Refuse a write into a tensor the block was neither given nor made (a closure's buffer).
@@ -292,6 +290,19 @@ class ReadCheck(TorchFunctionMode):
         for t in tensors:
             if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t) and not self._computed(t):
                 self._refuse(t, "returned")
+
+
+def _differentiable_copy(source: Tensor) -> Tensor:
+    """A copy of what ``source`` holds now, at the caller's levels, connected to it.
+
+    Made by ``clone()`` with grad on, it keeps the batching, the tangent and
+    the autograd edge to ``source`` as it is before the write: the recompute
+    starts from it, and what it differentiates flows back into ``source``'s
+    value before the update (the update itself stays in the plain run's graph,
+    for code that reads the updated tensor).
+    """
+    with torch.enable_grad():
+        return source.clone()
 
 
 def _batched_below(t: Tensor) -> bool:

@@ -169,6 +169,42 @@ def _counting(b, h):
     return b(h)
 
 
+def _maml_conv(b, h):
+    # functorch's MAML example: Conv2d, BatchNorm2d(momentum=1, track_running_stats=False), ReLU(inplace), MaxPool2d
+    out = b[2](F.relu(b[1](b[0](h.reshape(1, T, 2, 2))), inplace=True))
+    return out.reshape(T, 1).expand(T, D) * h
+
+
+def _relu_in_place_first(b, h):
+    # the block's own input updated in place (nn.ReLU(inplace=True) first in the block)
+    return b(F.relu(h, inplace=True))
+
+
+class _Logging(nn.Module):
+    """A module that appends to a plain list it holds, and reads its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.log: List[int] = []
+
+    def forward(self, h):
+        self.log.append(len(self.log))
+        return torch.tanh(self.lin(h)) * (1.0 + 0.1 * len(self.log))
+
+
+class _Timestep(nn.Module):
+    """A shared module whose timestep the model sets before each call, as a NumPy scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.t = 0.0
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h) * float(self.t))
+
+
 def _embedding_body(max_norm=None):
     body = nn.Module()
     body.emb = nn.Embedding(5, D, max_norm=max_norm)
@@ -212,6 +248,11 @@ KINDS: Dict[str, Kind] = {
     "gelu mlp": Kind(lambda: Block(nn.Sequential(nn.Linear(D, 2 * D), nn.GELU("tanh"), nn.Linear(2 * D, D)), _seq)),
     "dropout": Kind(lambda: Block(nn.Sequential(nn.Linear(D, D), nn.Dropout(0.3)), _dropout), random=True),
     "call counter": Kind(lambda: Block(_Counting(), _counting)),
+    "conv, batchnorm, relu in place, maxpool (MAML's)": Kind(lambda: Block(nn.Sequential(
+        nn.Conv2d(T, T, 1), nn.BatchNorm2d(T, momentum=1.0, track_running_stats=False), nn.MaxPool2d(2)), _maml_conv)),
+    "relu in place first": Kind(lambda: Block(nn.Linear(D, D), _relu_in_place_first)),
+    "appends to a list it holds": Kind(lambda: Block(_Logging(), _counting)),
+    "numpy timestep set before each call": Kind(lambda: Block(_Timestep(), _counting)),
 }
 
 
@@ -264,6 +305,7 @@ ENTRIES: Dict[str, Tuple[str, Any]] = {
     "torch checkpoint (reentrant), fallback": ("fallback", _r),
     "torch checkpoint_sequential, fallback": ("fallback", "sequential"),
     "nested ckpt_guard.checkpoint, fallback": ("fallback", "nested"),
+    "recursive ckpt_guard.checkpoint, strict": ("strict", "recursive"),
 }
 
 
@@ -279,17 +321,39 @@ class Net(nn.Module):
         return block if self.inside is None else _Inside(block, self.inside)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + 0.0  # a tensor of the model's own (a block may update its input in place, as after a stem)
         ckpt = self.ckpt
         if ckpt == "sequential":
             return checkpoint_sequential(nn.Sequential(*map(self._block_fn, self.blocks)), 2, h, use_reentrant=False)
         if ckpt == "nested":
             def pair(t):
-                for block in self.blocks:
+                for i, block in enumerate(self.blocks):
+                    self._set_timestep(block, i)
                     t = _checkpointed(ckpt_guard.checkpoint, self._block_fn(block), self.access, t)
                 return t
             return ckpt_guard.checkpoint(pair, h)
-        for block in self.blocks:
+        if ckpt == "recursive":
+            return ckpt_guard.checkpoint(self._recursive, h, len(self.blocks))
+        for i, block in enumerate(self.blocks):
+            self._set_timestep(block, i)
             h = _checkpointed(ckpt, self._block_fn(block), self.access, h)
+        return h
+
+    @staticmethod
+    def _set_timestep(block: nn.Module, i: int) -> None:
+        for module in block.modules():
+            if isinstance(module, _Timestep):
+                import numpy
+
+                module.t = numpy.float64(0.5 + i)
+
+    def _recursive(self, h, n):
+        """A block that checkpoints the rest of the model inside itself (``ck(block, h, n - 1)``)."""
+        block = self.blocks[len(self.blocks) - n]
+        self._set_timestep(block, len(self.blocks) - n)
+        h = _checkpointed(_plain, self._block_fn(block), self.access, h)
+        if n > 1:
+            h = ckpt_guard.checkpoint(self._recursive, h, n - 1)
         return h
 
 
@@ -527,6 +591,7 @@ def _execute(cell: Cell, ckpt: Any) -> Tuple[List[torch.Tensor], int]:
     after += [b.detach().clone() for b in program.net.buffers()]
     after += [b.detach().clone() for b in program.buffers.values()]
     counters = [m.calls for m in program.net.modules() if isinstance(m, _Counting)]
+    counters += [len(m.log) for m in program.net.modules() if isinstance(m, _Logging)]
     after += [torch.tensor(float(c)) for c in counters]
     return [r.detach() for r in results] + after, sum(RUNS.values())
 
@@ -543,11 +608,6 @@ def _compare(got: List[torch.Tensor], reference: List[torch.Tensor]) -> str:
     return ""
 
 
-#: refusal classes (docs/limits.md lists each under "Refusal classes"): a pattern of the refusal's words
-REFUSAL_CLASSES: Dict[str, str] = {
-}
-
-
 def refusal_reason(text: str) -> str:
     for marker in ("could not use its composable recompute here: ", "could not be used, because "):
         if marker in text:
@@ -556,12 +616,15 @@ def refusal_reason(text: str) -> str:
 
 
 def refusal_class(text: str) -> str:
-    match = re.search(r"\[refusal ([a-z0-9-]+)\]", text)
+    """The refusal class a message names (``_composable.REFUSAL_CLASSES``), or what else it is."""
+    match = re.search(r"\(refusal class ([a-z-]+),", text)
     if match:
         return match.group(1)
-    for name, pattern in REFUSAL_CLASSES.items():
-        if re.search(pattern, text):
-            return name
+    if _composable.NOTHING_TO_SAVE in text:
+        return "forward-only"
+    rule = re.match(r"\[(CKG\d+)\]", text.strip())
+    if rule:  # a rule of the guard's table decided what ran (its fallback, or strict's explanation)
+        return f"rule {rule.group(1)}"
     return "unclassified"
 
 
@@ -609,9 +672,9 @@ def run_cell(cell: Cell) -> Outcome:
     if recomputed:
         return Outcome("checkpointed")
     words = " ".join(str(w.message) for w in caught if issubclass(w.category, ckpt_guard.CheckpointCompositionWarning))
-    if cell.transform in FORWARD_ONLY and not words:
+    if not words:  # ckpt_guard.checkpoint keeps the plain run, quietly, where nothing could be saved
         return Outcome("plain", "no reverse mode: nothing to save", "forward-only")
-    return Outcome("plain", refusal_reason(words)[:300], refusal_class(words) if words else "silent")
+    return Outcome("plain", refusal_reason(words)[:300], refusal_class(words))
 
 
 def _short(exc: BaseException) -> str:
@@ -672,6 +735,95 @@ def cells() -> List[Cell]:
     return list(found)
 
 
+# --------------------------------------------------------------------------
+# the table in docs/conformance.md
+
+SYMBOLS = {"checkpointed": "✓", "plain": "·", "refused": "R", "n/a": "–"}
+
+
+def _symbol(outcome: Outcome) -> str:
+    if outcome.verdict == "plain" and outcome.refusal == "forward-only":
+        return "="
+    return SYMBOLS.get(outcome.verdict, "✗")
+
+
+def documented_refusal_classes(text: str) -> List[str]:
+    """The classes docs/limits.md lists under "Refusal classes" (lines ``- `name`: ...``)."""
+    section = text.split("## Refusal classes", 1)[1] if "## Refusal classes" in text else ""
+    return re.findall(r"^- `([a-z-]+)`:", section, flags=re.M)
+
+
+def version_section(outcomes: Dict[Cell, Outcome]) -> str:
+    """docs/conformance.md's section for the installed torch: counts, two grids, every cell not checkpointed."""
+    counts: Dict[str, int] = {}
+    for outcome in outcomes.values():
+        counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
+    lines = [f"## torch {torch.__version__.split('+')[0]}", ""]
+    lines.append(", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items())) + f" ({len(outcomes)} cells)")
+    lines.append("")
+    for entry in ("ckpt_guard.checkpoint, fallback", "torch checkpoint (non-reentrant), fallback"):
+        lines += [f"### {entry}, the block reached through functional_call", ""]
+        lines.append("| kind | " + " | ".join(TRANSFORMS) + " |")
+        lines.append("|---|" + "---|" * len(TRANSFORMS))
+        for kind in KINDS:
+            row = [_symbol(outcomes[Cell(kind, t, "functional_call", entry)]) for t in TRANSFORMS]
+            lines.append(f"| {kind} | " + " | ".join(row) + " |")
+        lines.append("")
+    lines += ["### Every cell not checkpointed (refusal class, or why not)", "", "```"]
+    for cell, outcome in outcomes.items():
+        if outcome.verdict != "checkpointed":
+            lines.append(f"{cell.label()}: {outcome.verdict} [{outcome.refusal or outcome.detail}]")
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+HEADER = """# The conformance matrix
+
+Generated by `python tests/conformance.py --write docs/conformance.md` on each torch CI
+runs (one section per release; the suite fails if the installed release's section is
+stale). Every cell runs a two-block model of one module kind, differentiated one way
+torch.func users do, its blocks reaching their tensors one way and checkpointed through
+one entry (`tests/conformance.py` says each in full), against the same program without
+checkpointing: results, the gradients an eager backward leaves, the global RNG's next
+number, every buffer, a module's call counter.
+
+- ✓ checkpointed: equal to the plain code, and the blocks were recomputed (the
+  forward kept no activations);
+- = plain, nothing to save: no reverse mode differentiates the call (forward mode, a
+  forward vmap), so the plain run is the result;
+- · plain: equal to the plain code, the block ran once without checkpointing, for a
+  refusal of a class listed in [limits.md](limits.md#refusal-classes) (or a rule of the
+  guard's table decided so);
+- R refused: strict raised `CheckpointCompositionError` naming the class;
+- – n/a: the plain code itself raises (the guarded run raises too), or the cell does not
+  apply (a transform over parameters where the module keeps its own).
+
+The grids show the full cross of module kinds and transforms for two entries; the list
+under them names every cell of all entries and ways in (full cross for the main entries,
+a pairwise cover of the rest) that was not checkpointed.
+
+"""
+
+
+def write_table(path: str, outcomes: Dict[Cell, Outcome]) -> None:
+    import os
+
+    sections: Dict[str, str] = {}
+    if os.path.exists(path):
+        with open(path) as existing:
+            text = existing.read()
+        for part in re.split(r"^(?=## torch )", text, flags=re.M)[1:]:
+            sections[part.split("\n", 1)[0]] = part.rstrip() + "\n"
+    section = version_section(outcomes)
+    sections[section.split("\n", 1)[0]] = section
+
+    def key(title: str) -> Tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", title))
+
+    with open(path, "w") as out:
+        out.write(HEADER + "\n".join(sections[t] for t in sorted(sections, key=key)))
+
+
 def main(argv: List[str]) -> int:
     import time
 
@@ -684,16 +836,19 @@ def main(argv: List[str]) -> int:
         selected = [c for c in selected if c.transform == want]
     counts: Dict[str, int] = {}
     failures = []
+    outcomes: Dict[Cell, Outcome] = {}
     started = time.perf_counter()
     for cell in selected:
         t0 = time.perf_counter()
-        outcome = run_cell(cell)
+        outcome = outcomes[cell] = run_cell(cell)
         counts[outcome.verdict] = counts.get(outcome.verdict, 0) + 1
         if outcome.failed or "-v" in argv:
             print(f"{outcome.verdict:12} {time.perf_counter() - t0:6.2f}s {cell.label()}: {outcome.refusal} {outcome.detail}")
         if outcome.failed:
             failures.append(cell)
     print(json.dumps(counts), f"{len(selected)} cells in {time.perf_counter() - started:.0f} s")
+    if "--write" in argv and not failures:
+        write_table(argv[argv.index("--write") + 1], outcomes)
     return 1 if failures else 0
 
 
