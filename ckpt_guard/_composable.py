@@ -4,26 +4,45 @@ torch's checkpoint is built on saved-tensor hooks (non-reentrant) or on an
 ``autograd.Function`` without ``setup_context`` (reentrant); torch.func refuses
 both.  The recompute here is an ``autograd.Function`` with ``setup_context``,
 which torch.func transforms like any other operation, and whose every
-transformation rule is again such a recompute, as ``jax.checkpoint``'s are:
+transformation rule is again such a recompute, as ``jax.checkpoint``'s are.
 
-* ``forward`` runs the block on its lifted inputs and keeps nothing of it but
-  those inputs (the memory saving);
+**The first forward is the plain run.**  :func:`run` calls the block once, as
+the caller wrote it, at the caller's torch.func levels, under the run-time
+proof (``_proof.ReadCheck``).  That run *is* the uncheckpointed code: its
+values, its grad mode, its random draws, its Python side effects, once.  Its
+output tensors, cut from their graph with ``.detach()`` (which keeps every
+level's batching), are then handed to ``_Recompute.apply`` as operands after
+the block's lifted inputs: every transform level unwraps them as it unwraps
+any operand (a vmap rule sees where each is batched), and the Function's
+``forward`` just returns them.  The plain run's graph goes with its outputs;
+the Function saves only the inputs (the memory saving).  So:
+
+* ``forward`` returns the plain run's outputs; the block never runs inside it;
 * ``backward`` recomputes the block and takes its vjp.  When something will
   differentiate that result again (grad of grad, a jvp over a grad, an eager
   ``.backward()`` over a torch.func result, a pullback later differentiated),
-  the vjp is itself a checkpointed recompute: the outer transform keeps its
-  inputs (primals and cotangents), never the recomputed activations;
-* ``jvp`` recomputes the block under ``torch.func.jvp`` (forward mode: jvp,
-  jacfwd, hessian); where the tangents will be differentiated again (a
-  MeanFlow loss's ``.backward()``, ``jvp(grad)``) that too is checkpointed;
-* ``vmap`` batches the checkpoint instead of unrolling it: the vmapped block
-  becomes one checkpointed recompute (unbatched inputs stay unbatched).
+  the vjp is itself a checkpointed recompute (:class:`_Derivative`): the outer
+  transform keeps its inputs (primals and cotangents), never the recomputed
+  activations.  Under forward mode alone (``jvp(grad)``, ``hessian``) the
+  pullback runs with grad mode on, below the node's own level, so it takes the
+  backward formulas the plain code takes (silu's and group_norm's plain
+  kernels have no forward-mode formula) without keeping a graph;
+* ``jvp`` recomputes the block under a jvp of its own, in the call's grad mode,
+  with the inputs that required grad requiring grad (kernels are chosen by it);
+  where the tangents will be differentiated again (a MeanFlow loss's
+  ``.backward()``) that too is checkpointed;
+* ``vmap`` batches the checkpoint instead of unrolling it (:class:`_Batched`):
+  its forward hands on the plain run's batched outputs, its recompute runs the
+  block under ``torch.vmap`` with the level's randomness.
 
 Whether the backward or the tangents will be differentiated again is read
 when they run, from the functorch levels then alive: one that is neither the
 level running this backward nor dead (a pullback called after its ``vjp``
 returned) will differentiate it; so will eager autograd, when grad mode is on
-below every transform and a tensor involved requires grad there.
+below every transform and a tensor involved requires grad there.  Where no
+reverse mode can differentiate the call at all (``jvp``, ``jacfwd``,
+``linearize``, a forward ``vmap``), the plain run kept nothing to save: it is
+the result, and nothing is packed.
 
 **What the block reads.**  Every tensor the block reads that may need a
 gradient must be an input, or its gradient would silently be zero.  The walk
@@ -32,22 +51,29 @@ the modules the block reaches (bound per thread, modules are never copied),
 and the tensors that need a gradient held in its closures, defaults,
 partials, containers, dataclasses and objects, and the call's arguments
 (rebuilt as copies holding the recompute's tensors).  That walk is the fast
-path; the proof is ``_proof.ReadCheck``: during the forward, any tensor that
-carries a gradient and was neither given nor computed stops the call before
-the operation runs (:class:`Refused`), and the caller refuses the call or
-runs the block another way.  No wrong gradient either way.
+path; the proof watches the plain run: a tensor that carries a gradient and
+was neither given nor computed makes the call *refused* (:class:`Refused`,
+carrying the plain run's output and a :class:`Reason` of a listed class): the
+caller returns that output (fallback, warn) or raises (strict), and never runs
+the block a second time.  No wrong gradient either way.
+
+**What the block writes.**  An input the block updates in place (BatchNorm's
+running statistics, ``h += pos``) is copied just before the write, at the
+caller's levels and connected to the input; the Function is handed that copy,
+so each recompute starts from what the forward started from (and a later
+update of the live tensor, the same module called again, changes nothing it
+reads), and a gradient for it reaches the input's value before the update.
+Each recompute gives the block a copy of such an input to write into.
 
 **What the recompute replays.**  The forward's CPU and device RNG states
 (dropout draws the same mask), each user ``torch.Generator`` the block drew
-from (its state before the first draw, kept by the proof), default dtype, ``torch.device(...)`` context,
-autocast, a user ``context_fn``'s recompute context, and what the block's
+from (its state before the first draw, kept by the proof), default dtype,
+``torch.device(...)`` context, autocast, a user ``context_fn``'s recompute
+context, the global module hooks, the modules' plain numbers, flags and
+strings (NumPy scalars too) as the call found them, and what the block's
 closures held (frozen copies: a loop rebinding a closed-over variable is not
-seen).  The forward runs in the grad mode of the call, with the inputs that
-required grad there requiring grad (under a throwaway grad level), so a
-module that branches on ``torch.is_grad_enabled()`` or ``requires_grad``
-(``nn.TransformerEncoder``'s fast path) takes the same path as without
-checkpointing.  Checkpoints nested inside the block run plainly (the outer
-recompute already recomputes them).
+seen).  Checkpoints nested inside the block run plainly (the outer recompute
+already recomputes them).
 """
 
 from __future__ import annotations
@@ -156,6 +182,7 @@ def describe_reason(reason: str) -> str:
 #: every refusal class: what it is about, in one line (docs/limits.md says why each is one)
 REFUSAL_CLASSES = {
     "user-mode": "a user TorchDispatchMode or TorchFunctionMode is active: the recompute would run without it",
+    "compiled": "the block is a torch.compile'd function or module (torch < 2.6 only)",
     "functionalize": "functionalize does not transform custom autograd Functions",
     "forward-over-forward": "jvp over jvp: forward mode does not differentiate a custom jvp",
     "dual-level": "a forward-AD dual level of the user's own (not torch.func.jvp's), with reverse mode too",
@@ -200,6 +227,14 @@ class ChangedSinceForward(RuntimeError):
 _SCALARS = frozenset({int, float, bool, str, complex, type(None)})
 
 
+def _plain_value(value: Any) -> bool:
+    """A Python number, flag or string, or a NumPy scalar (a timestep as ``np.float64``)."""
+    if type(value) in _SCALARS:
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.object_)
+
+
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
 SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 
@@ -208,6 +243,8 @@ SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 #: means the block's activations were not kept by the forward.
 RECOMPUTES = 0
 NESTED_RECOMPUTES = 0
+#: Calls packed into the recompute (their plain run's activations dropped) so far
+PACKED = 0
 
 #: The run-time proof runs on every first forward.  ``benchmarks/proof.py`` switches it off
 #: to measure what it costs; nothing else may (without it a wrong gradient goes unnoticed).
@@ -256,7 +293,7 @@ class Plan:
         #: each run binds those that changed since, so the recompute reads what the forward read
         self.scalars = [
             (module, name, value) for module in held.modules for name, value in module.__dict__.items()
-            if type(value) in _SCALARS and name not in _rebind._MODULE_INTERNALS
+            if _plain_value(value) and name not in _rebind._MODULE_INTERNALS
         ]
         #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
         #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
@@ -266,6 +303,9 @@ class Plan:
             for module, name, value in attributes
             for hooks in [name in _rebind._FORWARD_HOOKS]
         ]
+        #: the global module hooks (register_module_forward_hook) at the call, if any: each recompute
+        #: runs under them, as the forward did, also after the user removed one
+        self.global_hooks = _global_hooks()
         #: (module, name) of those plain attributes: the containers among them are watched in the forward
         self.attribute_names = [(module, name) for module, name, _ in attributes]
         self.grad_mode = torch.is_grad_enabled()
@@ -282,6 +322,8 @@ class Plan:
         self.n_inputs = len(self.inputs)
         #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
         self.refusal: Optional[str] = None
+        #: (jvp level, tangents): the plain run's output tangents at the top jvp level, until used
+        self.tangents: Optional[tuple] = None
         #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
         self.unpacked: Optional[str] = None
         self.versions: List[Optional[int]] = []
@@ -296,6 +338,9 @@ class Plan:
         #: inputs needing a gradient the forward rewrote with what a rewrite leaves as is (an
         #: Embedding's max_norm): each recompute starts from a copy of the saved one
         self.rewritten: frozenset = frozenset()
+        #: (weakref, version, storage) of each tensor the forward read as a constant (a closure's
+        #: mask): every recompute checks that it is still what the forward read
+        self.constants: list = []
         #: the inputs the block updates in place: every recompute hands it copies of these
         self.written: frozenset = frozenset()
         self.output_template: Any = None
@@ -344,7 +389,7 @@ class Plan:
             new, changed = rebuild(value)
             if changed or always:
                 bindings.append((module, "__dict__", name, new))
-        with _rebind.bound(bindings):
+        with _rebind.bound(bindings), _global_hooks_as(self.global_hooks), _compiled_code_eager():
             function = rebuild(self.function)[0]
             args, kwargs = rebuild(self.call_args)[0]
             return function(*args, **kwargs)
@@ -390,7 +435,7 @@ class Plan:
         given = _state.contents_snapshot(self._given_containers())
         level = _current_level() if _state.peek_interpreter_stack() is not None else -1
         check = _proof.ReadCheck(inputs, level) if PROOF else None
-        with forward_context, _plain_nested_checkpoints():
+        with forward_context, _plain_nested_checkpoints(), _compiled_code_eager():
             if check is None:
                 output = self.original_function(*self.args, **self.kwargs)
             else:
@@ -407,6 +452,7 @@ class Plan:
             self.refusal = self._unseen_update(check)
             if self.refusal is not None:
                 return output
+            self.constants = list(check.constants.values())
             self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i])}
             self.rewritten = frozenset(check.rewritten)
             self.written = frozenset(self.pre_forward) | self.rewritten
@@ -423,6 +469,33 @@ class Plan:
         self.output_ids = [id(t) for t in found]
         self.output_kept = [_differentiable_dtype(t) for t in found]
         return output
+
+    def keep_tangents(self, output: Any) -> None:
+        """Where the top level is a jvp: the plain run's output tangents, cut from its graph, for
+        the Function's jvp rule of that level to hand on (see :meth:`take_tangents`)."""
+        self.tangents = None
+        if _state.peek_interpreter_stack() is None:
+            return
+        top = pyfunctorch.retrieve_current_functorch_interpreter()
+        if top.key().name != "Jvp":
+            return
+        level = top.level()
+        tangents = []
+        for o, kept in zip(_output_tensors(output), self.output_kept):
+            if not kept:
+                continue
+            tangent = _state.forward_ad.unpack_dual(o).tangent
+            if tangent is None:
+                return  # an output the duals do not reach: the recompute makes its zero tangent
+            tangents.append(_unwrap_for_grad(tangent, level).detach())
+        self.tangents = (level, tuple(tangents))
+
+    def take_tangents(self, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
+        """The plain run's tangents for the jvp rule of ``level``, once (a later call recomputes)."""
+        kept, self.tangents = self.tangents, None
+        if kept is None or kept[0] != level:
+            return None
+        return kept[1]
 
     def ran_under(self, level: int, batch_size: int, randomness: str) -> bool:
         """Whether the plain run ran under this vmap (its random draws were batched by it)."""
@@ -469,6 +542,19 @@ class Plan:
             if was is not None and i not in self.pre_forward and _version(_base(t)) != was:
                 self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
                 raise self._changed_since_forward(i, t, was)
+        for ref, was, _ in self.constants:
+            constant = ref()
+            if constant is not None and _version(_base(constant)) != was:
+                self.check_recompute()
+                raise ChangedSinceForward(
+                    f"ckpt_guard's composable recompute: a tensor the checkpointed block reads as a constant "
+                    f"(a {tuple(_base(constant).shape)} tensor that needs no gradient, a mask or a table it "
+                    f"holds) was updated in place after the block's forward and before this recompute (its "
+                    f"version was {was}, now {_version(_base(constant))}). The recompute would read the new "
+                    "values, so it stops here, as autograd stops the same program without checkpointing where "
+                    "an operation saved it ('modified by an inplace operation'). Update a copy instead, or "
+                    "take the gradient before the update."
+                )
         return tuple(tensors)
 
     def _unseen_update(self, check: _proof.ReadCheck) -> Optional[str]:
@@ -618,6 +704,10 @@ class _Derivative:
             return tuple(pullback(cotangents))
 
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        if self.n_inputs < len(tensors):  # the plain run's tangents, handed in (see _Recompute.jvp)
+            outputs = tuple(t.detach() for t in tensors[self.n_inputs:])
+            self.output_kept = [_differentiable_dtype(o) for o in outputs]
+            return outputs
         global NESTED_RECOMPUTES
         NESTED_RECOMPUTES += 1
         with torch.no_grad():  # torch.func's transforms inside ignore it; no eager graph is kept
@@ -714,6 +804,53 @@ class _Batched:
 
     def differentiable_inputs(self, forward: bool = False) -> List[bool]:
         return self.base.differentiable_inputs(forward)
+
+
+_GLOBAL_HOOKS = tuple(
+    name for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called")
+    if hasattr(torch.nn.modules.module, name)
+)
+_GLOBAL_HOOKS_LOCK = __import__("threading").Lock()
+
+
+def _global_hooks() -> Optional[tuple]:
+    """A copy of each global module-hook dict, or None where all are empty (the usual case)."""
+    module = torch.nn.modules.module
+    dicts = [getattr(module, name) for name in _GLOBAL_HOOKS]
+    if not any(dicts):
+        return None
+    return tuple(dict(d) for d in dicts)
+
+
+@contextlib.contextmanager
+def _global_hooks_as(recorded: Optional[tuple]) -> Any:
+    """The global module hooks as the forward found them, for one recompute (where they changed since).
+
+    They are process-wide: while they are put back, under a lock, another
+    thread's module calls see the forward's hooks too.
+    """
+    module = torch.nn.modules.module
+    dicts = [getattr(module, name) for name in _GLOBAL_HOOKS]
+    if recorded is None:
+        if not any(dicts):
+            yield
+            return
+        recorded = tuple({} for _ in dicts)
+    if all(dict(d) == r for d, r in zip(dicts, recorded)):
+        yield
+        return
+    with _GLOBAL_HOOKS_LOCK:
+        now = [dict(d) for d in dicts]
+        for d, r in zip(dicts, recorded):
+            d.clear()
+            d.update(r)
+        try:
+            yield
+        finally:
+            for d, n in zip(dicts, now):
+                d.clear()
+                d.update(n)
 
 
 def _vmap_level_of_rule() -> int:
@@ -957,8 +1094,16 @@ class _Recompute(torch.autograd.Function):
             tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
             tangents = tuple(None if t is None else _unwrap_for_grad(t, own) for t in tangents)
         directions = tuple(tangents[i] for i in wanted)
+        # the plain run computed these tangents already, where this jvp was on top (a MeanFlow loss,
+        # jacfwd): handed on, not recomputed (the recompute's graph would double the block's peak)
+        precomputed = plan.take_tangents(own) if isinstance(plan, Plan) else None
         if _differentiated_again(tensors, directions, own):
-            output_tangents = _Recompute.apply(_Derivative(plan, "jvp", wanted, ()), *tensors, *directions)
+            derivative = _Derivative(plan, "jvp", wanted, ())
+            if precomputed is not None:
+                derivative.n_inputs = len(tensors) + len(directions)
+            output_tangents = _Recompute.apply(derivative, *tensors, *directions, *(precomputed or ()))
+        elif precomputed is not None:
+            output_tangents = precomputed
         else:
             with plan.replay():
                 output_tangents = _jvp(plan, tensors, wanted, directions)
@@ -1053,8 +1198,62 @@ def plan(
     return built
 
 
+def _compiled(function: Any) -> bool:
+    """A ``torch.compile``'d function or module (the function itself, or bound in a partial)."""
+    function = getattr(function, "func", function)
+    return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
+
+
+_SET_STANCE = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+
+
+def _compiled_code_eager() -> Any:
+    """Compiled code the block calls runs eagerly, where dynamo is loaded (torch >= 2.6).
+
+    Dynamo traces the run-time proof's mode and cannot make fake tensors of
+    torch.func's wrappers under it; and a compiled recompute under torch.func
+    runs frame by frame anyway.  The values are the same.  The stance is
+    process-wide: while a block runs, another thread's compiled code runs
+    eagerly too.
+    """
+    if _SET_STANCE is None or "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return _eager_stance()
+
+
+_STANCE_LOCK = __import__("threading").Lock()
+_stance_users = [0, None]  # how many blocks run under the eager stance now; the stance object to undo
+
+
+@contextlib.contextmanager
+def _eager_stance() -> Any:
+    """``set_stance("force_eager")`` shared by every block running now, on any thread: the first in
+    sets it, the last out puts back what was there (set_stance itself restores in its own order,
+    which two threads interleave)."""
+    with _STANCE_LOCK:
+        if _stance_users[0] == 0:
+            stance = _SET_STANCE("force_eager")
+            stance.__enter__()
+            _stance_users[1] = stance
+        _stance_users[0] += 1
+    try:
+        yield
+    finally:
+        with _STANCE_LOCK:
+            _stance_users[0] -= 1
+            if _stance_users[0] == 0:
+                stance, _stance_users[1] = _stance_users[1], None
+                stance.__exit__(None, None, None)
+
+
 def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
     """A reason, read from torch's state, why no recompute of this call could be right (or None)."""
+    if _SET_STANCE is None and _compiled(function):
+        return Reason(
+            "compiled",
+            "the block is a torch.compile'd function: dynamo would trace the run-time proof's mode (torch "
+            "2.6 and later run it eagerly instead; here, checkpoint the uncompiled function)",
+        )
     if _state.user_dispatch_modes() or _state.user_function_modes():
         return Reason("user-mode", "a user mode is active: the recompute would run without it")
     stack = [name for name, _ in _state.transform_stack()]
@@ -1181,12 +1380,15 @@ def _run(built: Plan) -> Any:
         built.release()
         raise Refused(reason, output)
     precomputed = built.precomputed(output)
+    built.keep_tangents(output)
     del found, output  # the plain run's graph goes with them
     # an input the forward updated in place (a BatchNorm's running statistics) is handed in as the copy
     # of what the forward started from: the Function saves that, so a later update of the live one (the
     # same module called again) is no change to what this recompute reads
     operands = [built.pre_forward.get(i, t) for i, t in enumerate(built.inputs)] if built.pre_forward else built.inputs
     outputs = _Recompute.apply(built, *operands, *precomputed)
+    global PACKED
+    PACKED += 1
     del precomputed
     result = built.rebuild(outputs)
     built.release()

@@ -42,6 +42,8 @@ tensors, with the forward's RNG, dtype and device replayed.
 from __future__ import annotations
 
 import sys
+import types
+import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -107,11 +109,17 @@ class ReadCheck(TorchFunctionMode):
         self.index_of: dict = {}  # id(given tensor) -> its input index
         self.index_of_storage: Optional[dict] = None  # storage address -> input indices (made on first need)
         self.before: dict = {}
+        #: id -> (weakref, version, storage address) of each tensor read as a constant (neither given
+        #: nor computed, needing no gradient: a mask a closure holds): every recompute checks its
+        #: version, and a write into its memory is a write outside the block
+        self.constants: dict = {}
         #: the indices of given tensors that need a gradient and that the block rewrote idempotently
         self.rewritten: set = set()
         self.refused: Optional[Unlifted] = None
         self.generators: dict = {}  # id(generator) -> (generator, its state before the block's first draw)
         self.read: set = set()  # the indices of the given tensors an operation took (or the block returned)
+        #: the autograd.Function classes the block applied (each looked at once)
+        self.functions: set = set()
         #: an operation ran whose reads it cannot see (an autograd.Function's forward, whole): ``read``
         #: then says nothing about what the block did not read
         self.unseen_reads = False
@@ -131,33 +139,30 @@ class ReadCheck(TorchFunctionMode):
             generator = kwargs.get("generator")
             if type(generator) is _Generator and id(generator) not in self.generators:
                 self._keep_generator(generator)
+        unseen = _runs_unseen(func)
+        if unseen:
+            self._note_function(func, args)
         if self.index_of:
             self._note_reads(args, kwargs)
-            if _runs_unseen(func):
+            if unseen:
                 self.unseen_reads = True
             if _may_update(func, args, kwargs):
                 self._keep_before(func, args, kwargs)
                 self._refuse_outside_writes(func, args, kwargs)
         for arg in args:
             if isinstance(arg, Tensor):
-                if id(arg) not in known and _carries_gradient(arg) and not self._readable(arg, func):
-                    self._refuse(arg, _name(func))
+                if id(arg) not in known:
+                    self._unknown(arg, func)
             elif isinstance(arg, (list, tuple)):
                 for item in arg:
-                    if (
-                        isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item)
-                        and not self._readable(item, func)
-                    ):
-                        self._refuse(item, _name(func))
+                    if isinstance(item, Tensor) and id(item) not in known:
+                        self._unknown(item, func)
             elif type(arg) is _Generator and id(arg) not in self.generators:  # torch.poisson(rates, g)
                 self._keep_generator(arg)
         for value in kwargs.values():
             for item in (value if isinstance(value, (list, tuple)) else (value,)):
-                if (
-                    isinstance(item, Tensor) and id(item) not in known and _carries_gradient(item)
-                    and not self._readable(item, func)
-                ):
-                    self._refuse(item, _name(func))
+                if isinstance(item, Tensor) and id(item) not in known:
+                    self._unknown(item, func)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             known.add(id(out))
@@ -166,6 +171,39 @@ class ReadCheck(TorchFunctionMode):
                 if isinstance(item, Tensor):
                     known.add(id(item))
         return out
+
+    def _note_function(self, func: Any, args: tuple) -> None:
+        """An autograd.Function the block applies: a tensor needing a gradient that its class holds
+        (read by its backward, which runs unseen, in the recompute as anywhere) is refused."""
+        cls = args[0] if getattr(func, "__name__", None) == "custom_function_call" and args else getattr(
+            func, "__self__", None
+        )
+        if not isinstance(cls, type) or cls in self.functions:
+            return
+        self.functions.add(cls)
+        for value in _held_by_function_class(cls):
+            if type(value) is _Generator:
+                # its forward runs with torch function modes off: a generator it holds may be drawn
+                # from unseen, so its state is kept now (replaying an undrawn one changes nothing)
+                if id(value) not in self.generators:
+                    self._keep_generator(value)
+            elif id(value) not in self.known and _carries_gradient(value):
+                self._refuse(value, f"{cls.__qualname__} (an autograd.Function whose class holds it)")
+                return
+
+    def _unknown(self, tensor: Tensor, func: Any) -> None:
+        """A tensor neither given nor computed: refused if it carries a gradient, else a constant."""
+        if _carries_gradient(tensor):
+            if not self._readable(tensor, func):
+                self._refuse(tensor, _name(func))
+        elif id(tensor) not in self.constants and not self._computed(tensor):
+            try:
+                self.constants[id(tensor)] = (weakref.ref(tensor), _version_of(tensor), _storage_address(tensor))
+            except TypeError:  # a tensor that cannot be weakly referenced: not watched
+                pass
+
+    def constant_storages(self) -> set:
+        return {address for _, _, address in self.constants.values() if address}
 
     def _at_call_level(self, tensor: Tensor) -> bool:
         """Not a wrapper of a level the block's own transforms made."""
@@ -267,9 +305,13 @@ class ReadCheck(TorchFunctionMode):
         to ``functional_call`` that no transform was given gave wrong gradients.
         """
         for target in _written(func, args, kwargs):
-            if (
-                isinstance(target, Tensor) and id(target) not in self.known and id(target) not in self.index_of
-                and _storage_address(target) not in self._storages() and not self._computed(target)
+            if not isinstance(target, Tensor) or id(target) in self.index_of:
+                continue
+            address = _storage_address(target)
+            if address in self._storages():
+                continue
+            if (id(target) not in self.known and not self._computed(target)) or (
+                self.constants and address in self.constant_storages()  # through a view, .data, [:]
             ):
                 self._refuse(target, _name(func), write=True, outside=True)
 
@@ -305,6 +347,12 @@ def _differentiable_copy(source: Tensor) -> Tensor:
         return source.clone()
 
 
+def _version_of(t: Tensor) -> int:
+    while is_functorch_wrapped_tensor(t):
+        t = _get_unwrapped(t)
+    return t._version
+
+
 def _batched_below(t: Tensor) -> bool:
     while is_functorch_wrapped_tensor(t):
         if is_batchedtensor(t):
@@ -320,6 +368,41 @@ def _requires_grad_anywhere(t: Tensor) -> bool:
         if not is_functorch_wrapped_tensor(t):
             return False
         t = _get_unwrapped(t)
+
+
+def _held_by_function_class(cls: type) -> list:
+    """The tensors and generators an autograd.Function's class holds: class attributes, and what its
+    methods' closures and the globals their code names hold (one level into a class found there)."""
+    found: dict = {}
+
+    def take(value: Any, depth: int) -> None:
+        if isinstance(value, (Tensor, _Generator)):
+            found.setdefault(id(value), value)
+        elif isinstance(value, (list, tuple)) and depth:
+            for item in value[:64]:
+                take(item, depth - 1)
+        elif isinstance(value, type) and depth and value.__module__ not in ("builtins", "typing"):
+            for item in list(vars(value).values())[:256]:
+                take(item, depth - 1)
+
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch"):
+            break
+        for value in list(vars(klass).values()):
+            function = getattr(value, "__func__", value)
+            if isinstance(function, types.FunctionType):
+                for cell in function.__closure__ or ():
+                    try:
+                        take(cell.cell_contents, 2)
+                    except ValueError:  # an empty cell
+                        pass
+                namespace = function.__globals__
+                for name in function.__code__.co_names:
+                    if name in namespace:
+                        take(namespace[name], 2)
+            else:
+                take(value, 1)
+    return list(found.values())
 
 
 class CapturedReads(TorchFunctionMode):

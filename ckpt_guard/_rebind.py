@@ -293,8 +293,11 @@ def bound(bindings: List[Binding]) -> Iterator[None]:
 
 #: the attributes every ``nn.Module`` has (torch's bookkeeping): not user attributes
 _MODULE_INTERNALS = frozenset(vars(Module()))
-#: ... of which these hold the user's forward hooks, which run as part of the block
-_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+#: ... of which these hold the user's forward hooks, which run as part of the block, and how each
+#: is called (a hook registered ``with_kwargs=True`` or ``always_call=True``): a recompute binds
+#: the forward's copy of each, so a hook removed after the forward still runs, as it ran there
+_HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+_FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", *_HOOK_FLAGS)
 
 
 def _user_function(value: Any) -> bool:
@@ -634,6 +637,8 @@ def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
             for name, value in obj.__dict__[store].items():
                 yield value, f"{path}.{name}"
         for name, value in module_attributes(obj):
+            if name in _HOOK_FLAGS:
+                continue
             if name in _FORWARD_HOOKS:
                 for hook in value.values():
                     yield hook, f"{path} forward hook {getattr(hook, '__qualname__', hook)!s}"
