@@ -245,6 +245,7 @@ KINDS: Dict[str, Kind] = {
     "embedding": Kind(lambda: Block(_embedding_body(), _embedding)),
     "embedding max_norm": Kind(lambda: Block(_embedding_body(max_norm=1.0), _embedding)),
     "multihead attention": Kind(lambda: Block(nn.MultiheadAttention(D, 2, batch_first=True), _mha)),
+    "multihead attention, eval": Kind(lambda: Block(nn.MultiheadAttention(D, 2, batch_first=True).eval(), _mha)),
     "transformer layer, train": Kind(lambda: Block(_encoder_layer(True), _encoder)),
     "transformer layer, eval, padding mask": Kind(lambda: Block(_encoder_layer(False), _encoder_masked)),
     "lstm": Kind(lambda: Block(nn.LSTM(D, D, batch_first=True), _rnn)),
