@@ -1,0 +1,172 @@
+"""What checkpointing adds per block and per step: the composable recompute against torch's eager checkpoint.
+
+    python benchmarks/blocks.py             # about a minute on 2 CPU cores
+    python benchmarks/blocks.py --quick     # smoke run
+    python benchmarks/blocks.py --profile   # cProfile of the tiny grad step (what the time goes to)
+
+One process, one thread.  Four steps per model, taking turns (the machine's
+drift cancels), the fastest of ``--repeat`` rounds each:
+
+* ``eager``: ``loss.backward()`` of the model, blocks called plainly;
+* ``eager checkpoint``: the same with torch's ``checkpoint(block, h,
+  use_reentrant=False)`` per block (guard not installed): the reference for what
+  checkpointing costs;
+* ``grad`` / ``vmap(grad)``: ``torch.func.grad`` (per-sample: ``vmap(grad)``) of
+  ``functional_call`` of the model, blocks called plainly, and through
+  ``ckpt_guard.checkpoint``.
+
+Printed per model: each step's time, the time checkpointing adds per block
+(``ckpt_guard.checkpoint`` under a transform, torch's eager checkpoint
+outside), their ratio (the target: at most 2x), and each checkpointed step's
+time as a ratio of its uncheckpointed one.  The tiny model (8 x ``Linear(8, 8)``,
+4 rows) makes the ops nearly free, so what is added is fixed cost; the
+residual models are the README's (2 x ``Linear(256)`` + tanh per block) at the
+sizes of ``benchmarks/memory.py``.
+
+This is a report, not a test: it exits 0 whatever the numbers are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def build(torch, width, depth, rows, residual):
+    torch.manual_seed(0)
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(width, width)
+            self.b = nn.Linear(width, width) if residual else None
+
+        def forward(self, h):
+            if self.b is None:
+                return torch.tanh(self.a(h))
+            return h + self.b(torch.tanh(self.a(h)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(depth))
+            self.ckpt = None
+
+        def forward(self, h):
+            for block in self.blocks:
+                h = block(h) if self.ckpt is None else self.ckpt(block, h)
+            return h.pow(2).mean()
+
+    return Model(), torch.randn(rows, width)
+
+
+def steps(torch, model, x):
+    import ckpt_guard
+    from torch.func import functional_call, grad, vmap
+    from torch.utils.checkpoint import checkpoint
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    eager_ckpt = lambda block, h: checkpoint(block, h, use_reentrant=False)  # noqa: E731
+
+    def eager(ckpt):
+        def step():
+            model.ckpt = ckpt
+            model.zero_grad(set_to_none=True)
+            model(x).backward()
+        return step
+
+    def transformed(ckpt, per_sample):
+        def loss(p, data):
+            model.ckpt = ckpt
+            return functional_call(model, p, (data,))
+
+        if per_sample:
+            g = vmap(grad(lambda p, sample: loss(p, sample[None])), in_dims=(None, 0))
+        else:
+            g = grad(loss)
+        return lambda: g(params, x)
+
+    return {
+        "eager": eager(None),
+        "eager checkpoint": eager(eager_ckpt),
+        "grad": transformed(None, False),
+        "grad, ckpt_guard.checkpoint": transformed(ckpt_guard.checkpoint, False),
+        "vmap(grad)": transformed(None, True),
+        "vmap(grad), ckpt_guard.checkpoint": transformed(ckpt_guard.checkpoint, True),
+    }
+
+
+def measure(torch, model, x, repeat, inner):
+    runs = steps(torch, model, x)
+    for step in runs.values():
+        step()  # warm-up
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeat):
+        for name, step in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                step()
+            best[name] = min(best[name], (time.perf_counter() - t0) / inner)
+    return best
+
+
+MODELS = {
+    "tiny: 8 x Linear(8, 8), 4 rows": dict(width=8, depth=8, rows=4, residual=False),
+    "residual, small: 6 x 2 x Linear(256), 64 rows": dict(width=256, depth=6, rows=64, residual=True),
+    "residual, medium: 8 x 2 x Linear(512), 256 rows": dict(width=512, depth=8, rows=256, residual=True),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="tottime", help="with --profile: the pstats sort key")
+    args = parser.parse_args()
+    import warnings
+
+    import torch
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        model, x = build(torch, **MODELS["tiny: 8 x Linear(8, 8), 4 rows"])
+        step = steps(torch, model, x)["grad, ckpt_guard.checkpoint"]
+        step()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(200):
+            step()
+        profile.disable()
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(40)
+        return 0
+    repeat = 3 if args.quick else args.repeat
+    print(f"torch {torch.__version__}, one thread, fastest of {repeat} rounds, steps taking turns")
+    for name, spec in MODELS.items():
+        if args.quick and "medium" in name:
+            continue
+        model, x = build(torch, **spec)
+        inner = 20 if spec["width"] <= 8 else (2 if spec["width"] >= 512 else 5)
+        best = measure(torch, model, x, repeat, inner)
+        depth = spec["depth"]
+        eager_added = (best["eager checkpoint"] - best["eager"]) / depth
+        print(f"\n{name}")
+        for step, seconds in best.items():
+            print(f"  {step:36} {seconds * 1e3:9.3f} ms")
+        print(f"  torch's eager checkpoint adds {eager_added * 1e6:8.1f} µs per block "
+              f"({best['eager checkpoint'] / best['eager']:.2f}x the eager step)")
+        for kind in ("grad", "vmap(grad)"):
+            added = (best[f"{kind}, ckpt_guard.checkpoint"] - best[kind]) / depth
+            print(f"  ckpt_guard.checkpoint under {kind:10} adds {added * 1e6:8.1f} µs per block: "
+                  f"{added / eager_added:.2f}x torch's eager checkpoint's (target <= 2); "
+                  f"step {best[f'{kind}, ckpt_guard.checkpoint'] / best[kind]:.2f}x the uncheckpointed {kind} step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
