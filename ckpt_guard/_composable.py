@@ -11,7 +11,7 @@ the caller wrote it, at the caller's torch.func levels, under the run-time
 proof (``_proof.ReadCheck``).  That run *is* the uncheckpointed code: its
 values, its grad mode, its random draws, its Python side effects, once.  Its
 output tensors, cut from their graph with ``.detach()`` (which keeps every
-level's batching), are then handed to ``_Recompute.apply`` as operands after
+level's batching), are then handed to ``_Recompute`` (applied by ``_levels.apply``) as operands after
 the block's lifted inputs: every transform level unwraps them as it unwraps
 any operand (a vmap rule sees where each is batched), and the Function's
 ``forward`` just returns them.  The plain run's graph goes with its outputs;
@@ -88,12 +88,14 @@ import torch
 import torch.utils.checkpoint as _tuc
 from torch._C._functorch import _unwrap_for_grad, _wrap_for_grad, is_batchedtensor, maybe_get_level
 from torch._C._functorch import current_level as _current_level
+from torch._C._functorch import CGradInterpreterPtr as _CGradInterpreterPtr
+from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 from torch._functorch import pyfunctorch
 from torch._functorch.eager_transforms import enable_inplace_requires_grad as _enable_inplace_requires_grad
-from torch._functorch.eager_transforms import _jvp_with_argnums, _vjp_with_argnums
+from torch._functorch.eager_transforms import _jvp_with_argnums
 from torch._functorch.eager_transforms import grad_increment_nesting as _grad_increment_nesting
 
-from . import _config, _proof, _rebind, _state
+from . import _config, _levels, _proof, _rebind, _state
 
 Tensor = torch.Tensor
 
@@ -223,18 +225,6 @@ class ChangedSinceForward(RuntimeError):
     """
 
 
-#: the plain values of a module's attributes a recompute puts back as the call found them
-_SCALARS = frozenset({int, float, bool, str, complex, type(None)})
-
-
-def _plain_value(value: Any) -> bool:
-    """A Python number, flag or string, or a NumPy scalar (a timestep as ``np.float64``)."""
-    if type(value) in _SCALARS:
-        return True
-    numpy = sys.modules.get("numpy")
-    return numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.object_)
-
-
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out
 SELECTIVE_CACHING_MODE = getattr(_tuc, "_CachingTorchDispatchMode", ())
 
@@ -285,16 +275,20 @@ class Plan:
         index = {key: i for i, key in enumerate(inputs)}
         template = _rebind._Rebuild({key: _rebind.Hole(i) for key, i in index.items()})
         self.function = template(held.frozen)[0]  # its closures frozen (see the module docstring)
-        self.call_args = template((args, kwargs))[0]
+        #: the arguments as input indices where they are all lifted tensors (``checkpoint(block, h)``,
+        #: the usual call): each recompute hands them on without walking a template; else None
+        self.flat_args: Optional[List[int]] = None
+        if not kwargs and all(isinstance(a, Tensor) and id(a) in index for a in args):
+            self.flat_args = [index[id(a)] for a in args]
+            self.call_args: Any = None
+        else:
+            self.call_args = template((args, kwargs))[0]
         #: (module, store, name, input index)
         self.slots = [(module, store, name, index[id(tensor)]) for module, store, name, tensor in slots]
         #: (module, name, value): the modules' plain numbers, flags and strings at the call (a
         #: timestep set before each call of a shared module, a counter the forward increments);
         #: each run binds those that changed since, so the recompute reads what the forward read
-        self.scalars = [
-            (module, name, value) for module in held.modules for name, value in module.__dict__.items()
-            if _plain_value(value) and name not in _rebind._MODULE_INTERNALS
-        ]
+        self.scalars = held.scalars
         #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
         #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
         #: forward still runs in the recompute, as it ran in the forward)
@@ -346,7 +340,7 @@ class Plan:
         self.output_template: Any = None
         self.output_ids: List[int] = []
         self.output_kept: List[bool] = []
-        self.recompute_context: Any = contextlib.nullcontext()
+        self.recompute_context: Any = _NO_CONTEXT
         self.rng: Any = None
         #: (generator, state) of each user torch.Generator the forward drew from, before its first draw
         self.generators: List[tuple] = []
@@ -391,6 +385,8 @@ class Plan:
                 bindings.append((module, "__dict__", name, new))
         with _rebind.bound(bindings), _global_hooks_as(self.global_hooks), _compiled_code_eager():
             function = rebuild(self.function)[0]
+            if self.flat_args is not None:
+                return function(*[tensors[i] for i in self.flat_args])
             args, kwargs = rebuild(self.call_args)[0]
             return function(*args, **kwargs)
 
@@ -426,7 +422,7 @@ class Plan:
                 # Selective checkpointing caches ops by their order in torch's own recompute;
                 # the vjp here runs other ops, so the cache would not line up ("not found in
                 # storage"). Its policy only chooses what to keep: recomputing all is correct.
-                forward_context, self.recompute_context = contextlib.nullcontext(), contextlib.nullcontext()
+                forward_context, self.recompute_context = contextlib.nullcontext(), _NO_CONTEXT
         if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
             with forward_context, _plain_nested_checkpoints():
                 return self.original_function(*self.args, **self.kwargs)
@@ -474,10 +470,8 @@ class Plan:
         """Where the top level is a jvp: the plain run's output tangents, cut from its graph, for
         the Function's jvp rule of that level to hand on (see :meth:`take_tangents`)."""
         self.tangents = None
-        if _state.peek_interpreter_stack() is None:
-            return
-        top = pyfunctorch.retrieve_current_functorch_interpreter()
-        if top.key().name != "Jvp":
+        top = _state.peek_interpreter_stack()
+        if top is None or top.key().name != "Jvp":
             return
         level = top.level()
         tangents = []
@@ -610,7 +604,10 @@ class Plan:
 
     def capture_forward_state(self, tensors: Sequence[Tensor]) -> None:
         self.default_dtype = torch.get_default_dtype()
-        device_type = _tuc._infer_device_type(*tensors)
+        if all(t.device.type == "cpu" for t in tensors):  # torch's answer then, without its pytree walk
+            device_type = _tuc.DefaultDeviceType.get_device_type()
+        else:
+            device_type = _tuc._infer_device_type(*tensors)
         self.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
         device_module = getattr(torch, device_type, None)
         devices, states = ([], [])
@@ -620,33 +617,68 @@ class Plan:
 
     @contextlib.contextmanager
     def replay(self) -> Any:
-        """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute."""
+        """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute.
+
+        Only what differs from now is entered (a recompute in the backward
+        usually runs where the forward ran: same dtype, autocast off): each
+        context costs microseconds, and a recompute runs per block per step.
+        """
         replays = self.check_recompute() or ()
         device_type, device_autocast, cpu_autocast = self.autocast
         with contextlib.ExitStack() as stack:
             for replay in replays:  # fallback: a module's train/eval mode as in the forward
                 stack.enter_context(replay)
-            stack.enter_context(default_dtype(self.default_dtype))
+            if torch.get_default_dtype() != self.default_dtype:
+                stack.enter_context(default_dtype(self.default_dtype))
             if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
                 stack.enter_context(torch.device(self.default_device))
-            cpu_state, devices, states, _ = self.rng
-            stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device_type))
-            torch.set_rng_state(cpu_state)
-            if devices:
-                _tuc.set_device_states(devices, states)
+            stack.enter_context(_forward_rng(*self.rng))
             if self.generators:
                 # the recompute draws are not the program's: each is left where the program had it
                 stack.enter_context(_state.replaying_generators(self.generators, lock=False))
             if self.contents:
                 stack.enter_context(_state.replaying_contents(self.contents, lock=False))
-            if torch.amp.is_autocast_available(device_type) and device_type != "cpu":
-                stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
-            stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
-            stack.enter_context(self.recompute_context)
+            if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
+                if device_autocast != _autocast_now(device_type):
+                    stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
+            if cpu_autocast != _autocast_now("cpu"):
+                stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
+            if self.recompute_context is not _NO_CONTEXT:
+                stack.enter_context(self.recompute_context)
             stack.enter_context(_plain_nested_checkpoints())
             yield
         global RECOMPUTES
         RECOMPUTES += 1
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _autocast_now(device_type: str) -> dict:
+    """The autocast settings in force for ``device_type``, as ``torch.utils.checkpoint`` records them."""
+    return {
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+
+
+@contextlib.contextmanager
+def _forward_rng(cpu_state: Tensor, devices: list, states: list, device_type: str) -> Any:
+    """The forward's RNG states while a recompute runs, the program's back afterwards (``fork_rng``'s job,
+    for the devices the forward's inputs were on)."""
+    device_module = getattr(torch, device_type, None) if devices else None
+    program_cpu = torch.get_rng_state()
+    program_devices = [device_module.get_rng_state(d) for d in devices] if devices else []
+    torch.set_rng_state(cpu_state)
+    if devices:
+        _tuc.set_device_states(devices, states)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(program_cpu)
+        for device, state in zip(devices, program_devices):
+            device_module.set_rng_state(state, device)
 
 
 def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
@@ -860,7 +892,7 @@ def _vmap_level_of_rule() -> int:
 
 def _vmap_levels() -> frozenset:
     """(level, batch size, randomness) of each vmap alive now."""
-    if _state.peek_interpreter_stack() is None:
+    if not any(name == "Vmap" for name, _ in _state.interpreter_levels()):
         return frozenset()
     return frozenset(
         (i.level(), i.batch_size(), i.randomness())
@@ -888,7 +920,7 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
     all its arguments), so a block that updates a buffer in place (BatchNorm's
     ``num_batches_tracked``) does what it does without checkpointing.
     """
-    return _vjp_with_argnums(_recompute_of(plan), *tensors, argnums=tuple(wanted))
+    return _levels.vjp(_recompute_of(plan), tensors, wanted)
 
 
 def _jvp(
@@ -972,16 +1004,15 @@ def _differentiated_again(
     runs, keeping nothing: computed directly, it costs one recompute less than
     checkpointed, and no more memory (``jvp(grad)``, ``hessian``).
     """
-    interpreters = pyfunctorch.retrieve_all_functorch_interpreters() if _state.peek_interpreter_stack() else []
     if own == "saved":  # the level whose node this is: the saved tensors' (a jvp passes its own)
         own = _own_level(saved)
     eager_grad_mode = None
-    for interpreter in interpreters:
+    for interpreter in _get_interpreter_stack() or ():  # C interpreters: cheap to read
         if interpreter.key().name == _GRAD:
             if interpreter.level() != own:
                 return True
             if eager_grad_mode is None:
-                eager_grad_mode = interpreter.prev_grad_mode()
+                eager_grad_mode = _CGradInterpreterPtr(interpreter).prevGradMode()
     if eager_grad_mode is None:
         eager_grad_mode = torch.is_grad_enabled()
     return bool(eager_grad_mode) and any(t is not None and _base(t).requires_grad for t in (*saved, *incoming))
@@ -1053,7 +1084,7 @@ class _Recompute(torch.autograd.Function):
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
         if _differentiated_again(tensors, cotangents):
             derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
-            grads = _Recompute.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
+            grads = _levels.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
         else:  # nothing differentiates this again: no graph kept, the least memory
             # ... except under forward mode (jvp(grad), hessian), which differentiates the pullback as
             # it runs: it must take the backward formulas the plain code takes, which autograd picks
@@ -1101,7 +1132,7 @@ class _Recompute(torch.autograd.Function):
             derivative = _Derivative(plan, "jvp", wanted, ())
             if precomputed is not None:
                 derivative.n_inputs = len(tensors) + len(directions)
-            output_tangents = _Recompute.apply(derivative, *tensors, *directions, *(precomputed or ()))
+            output_tangents = _levels.apply(derivative, *tensors, *directions, *(precomputed or ()))
         elif precomputed is not None:
             output_tangents = precomputed
         else:
@@ -1116,8 +1147,11 @@ class _Recompute(torch.autograd.Function):
         batched = _Batched(node, in_dims[1: 1 + n], info.randomness, info.batch_size, in_dims[1 + n:])
         # the precomputed outputs with their batch dimension first, as the recompute makes them
         precomputed = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors[n:], in_dims[1 + n:])]
-        outputs = _Recompute.apply(batched, *tensors[:n], *precomputed)
+        outputs = _levels.apply(batched, *tensors[:n], *precomputed)
         return outputs, batched.out_dims()
+
+
+_levels.FUNCTION = _Recompute  # applied level by level without torch's per-call class (see _levels)
 
 
 def _forward_mode_alive() -> bool:
@@ -1126,7 +1160,7 @@ def _forward_mode_alive() -> bool:
         return True
     if _state.peek_interpreter_stack() is None:
         return False
-    return any(i.key().name == "Jvp" for i in pyfunctorch.retrieve_all_functorch_interpreters())
+    return any(name == "Jvp" for name, _ in _state.interpreter_levels())
 
 
 @contextlib.contextmanager
@@ -1217,33 +1251,57 @@ def _compiled_code_eager() -> Any:
     eagerly too.
     """
     if _SET_STANCE is None or "torch._dynamo" not in sys.modules:
-        return contextlib.nullcontext()
-    return _eager_stance()
+        return _NO_CONTEXT
+    return _EAGER_STANCE
 
 
-_STANCE_LOCK = __import__("threading").Lock()
-_stance_users = [0, None]  # how many blocks run under the eager stance now; the stance object to undo
-
-
-@contextlib.contextmanager
-def _eager_stance() -> Any:
+class _SharedEagerStance:
     """``set_stance("force_eager")`` shared by every block running now, on any thread: the first in
     sets it, the last out puts back what was there (set_stance itself restores in its own order,
-    which two threads interleave)."""
-    with _STANCE_LOCK:
-        if _stance_users[0] == 0:
+    which two threads interleave).
+
+    Set through dynamo's own ``_set_stance`` with the force_eager stance made
+    once, where torch has it: ``torch.compiler.set_stance`` builds and checks
+    a stance object per call, and a block enters this twice per step (its
+    forward and its recompute).
+    """
+
+    def __init__(self) -> None:
+        self.lock = __import__("threading").Lock()
+        self.users = 0
+        self.undo: Any = None
+        self.force_eager: Any = None  # dynamo's force_eager stance object, once made
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                self.undo = self._set()
+            self.users += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                undo, self.undo = self.undo, None
+                undo()
+
+    def _set(self) -> Callable[[], Any]:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        set_raw = getattr(eval_frame, "_set_stance", None)
+        if set_raw is None or not hasattr(eval_frame, "_stance"):
             stance = _SET_STANCE("force_eager")
             stance.__enter__()
-            _stance_users[1] = stance
-        _stance_users[0] += 1
-    try:
-        yield
-    finally:
-        with _STANCE_LOCK:
-            _stance_users[0] -= 1
-            if _stance_users[0] == 0:
-                stance, _stance_users[1] = _stance_users[1], None
-                stance.__exit__(None, None, None)
+            return lambda: stance.__exit__(None, None, None)
+        if self.force_eager is None:
+            stance = _SET_STANCE("force_eager")
+            stance.__enter__()
+            self.force_eager = eval_frame._stance
+            stance.__exit__(None, None, None)
+        prior = set_raw(self.force_eager)
+        return lambda: set_raw(prior)
+
+
+_EAGER_STANCE = _SharedEagerStance()
 
 
 def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
@@ -1293,7 +1351,7 @@ def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) ->
     """Before the block runs: whether reverse mode might differentiate it (a grad level, or eager
     autograd with a tensor it reads requiring grad).  If not, a plain run keeps nothing to save."""
     if _state.peek_interpreter_stack() is not None:
-        if any(i.key().name == _GRAD for i in pyfunctorch.retrieve_all_functorch_interpreters()):
+        if any(name == _GRAD for name, _ in _state.interpreter_levels()):
             return True
     if not torch.is_grad_enabled():
         return False
@@ -1386,7 +1444,7 @@ def _run(built: Plan) -> Any:
     # of what the forward started from: the Function saves that, so a later update of the live one (the
     # same module called again) is no change to what this recompute reads
     operands = [built.pre_forward.get(i, t) for i, t in enumerate(built.inputs)] if built.pre_forward else built.inputs
-    outputs = _Recompute.apply(built, *operands, *precomputed)
+    outputs = _levels.apply(built, *operands, *precomputed)
     global PACKED
     PACKED += 1
     del precomputed
@@ -1403,7 +1461,7 @@ def _reverse_mode_can_follow(outputs: Sequence[Tensor]) -> bool:
     grad), the plain run kept no activations: it is the result.
     """
     if _state.peek_interpreter_stack() is not None:
-        if any(i.key().name == _GRAD for i in pyfunctorch.retrieve_all_functorch_interpreters()):
+        if any(name == _GRAD for name, _ in _state.interpreter_levels()):
             return True
     return any(_base(t).requires_grad for t in outputs)
 

@@ -20,6 +20,7 @@ No torch here: ``import ckpt_guard`` must stay torch-free.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -181,6 +182,22 @@ def build_config(
     else:
         overrides = check_rules(rules, "argument 'rules'")
     return Config(base, overrides, source)
+
+
+def from_environment() -> Config:
+    """``build_config(None, None, read_env=True)``, built once per value of the two variables.
+
+    ``ckpt_guard.checkpoint`` under a transform reads the policy at every
+    call when nothing is installed: parsing the rules each time costs more
+    than the variables' lookup.  A bad value raises at every call, as before.
+    """
+    return _config_for_environment(os.environ.get(ENV_POLICY, ""), os.environ.get(ENV_RULES, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _config_for_environment(policy: str, rules: str) -> Config:
+    del policy, rules  # the cache's key: build_config reads the same two variables
+    return build_config(None, None, read_env=True)
 
 
 #: Checkpoints nested in a block the guard recomputes itself run plainly.

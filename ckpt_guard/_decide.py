@@ -1724,7 +1724,7 @@ def public_checkpoint(
     installed = _config._installed  # install("off") is a policy in force, not the absence of one
     config = scoped or (installed if installed.active or installed.source != "default" else None)
     if config is None:
-        config = _config.build_config(None, None, read_env=True)
+        config = _config.from_environment()
     # torch's own options (determinism_check, debug, ...) are for torch's checkpoint, not the block
     block_kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
     built = _composable.plan(function, args, block_kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)

@@ -45,6 +45,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import sys
 import threading
 import types
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
@@ -298,6 +299,8 @@ _MODULE_INTERNALS = frozenset(vars(Module()))
 #: the forward's copy of each, so a hook removed after the forward still runs, as it ran there
 _HOOK_FLAGS = ("_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 _FORWARD_HOOKS = ("_forward_hooks", "_forward_pre_hooks", *_HOOK_FLAGS)
+#: what the walk of a module's own attributes passes over: its internals except the forward hooks
+_SKIPPED_INTERNALS = _MODULE_INTERNALS - frozenset(_FORWARD_HOOKS)
 
 
 def _user_function(value: Any) -> bool:
@@ -525,6 +528,16 @@ def rebuild(obj: Any, swap: Dict[int, Any], memo: Optional[_Rebuild] = None) -> 
     return (memo or _Rebuild(swap))(obj)[0]
 
 
+#: the plain values of a module's attributes a recompute puts back as the call found them
+_SCALARS = frozenset({int, float, bool, str, complex, type(None)})
+
+
+def _numpy_scalar(value: Any) -> bool:
+    """A NumPy scalar (a timestep as ``np.float64``), never an object scalar."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.object_)
+
+
 def module_attributes(module: Module) -> Iterator[Tuple[str, Any]]:
     """A module's own attributes that a block may read besides parameters, buffers and submodules."""
     for name, value in module.__dict__.items():
@@ -545,6 +558,8 @@ class Holdings:
     #: (module, name, value): plain module attributes that are tensors or may reach one
     attributes: List[Tuple[Module, str, Any]]
     exhausted: bool  # the walk ran out of budget: what lies past it is left to the proof
+    #: (module, name, value): the modules' plain numbers, flags and strings (NumPy scalars too)
+    scalars: List[Tuple[Module, str, Any]] = dataclasses.field(default_factory=list)
 
 
 def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
@@ -567,6 +582,7 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
     arguments = _Rebuild({}, visitor(given))
     arguments((args, kwargs))
     attributes: List[Tuple[Module, str, Any]] = []
+    scalars: List[Tuple[Module, str, Any]] = []
     done: set = set()
     todo = list(modules.values())
     while todo:
@@ -576,11 +592,18 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
                 continue
             done.add(id(owner))
             modules.setdefault(id(owner), owner)
-            for name, value in module_attributes(owner):
+            for name, value in owner.__dict__.items():  # module_attributes(owner), inlined: the hot path
+                if name in _SKIPPED_INTERNALS:
+                    continue
                 if isinstance(value, Tensor):
                     attributes.append((owner, name, value))
                     continue
                 if isinstance(value, _reads._PLAIN) and not isinstance(value, (types.FunctionType, functools.partial)):
+                    if type(value) in _SCALARS or _numpy_scalar(value):
+                        scalars.append((owner, name, value))
+                    continue
+                if _numpy_scalar(value):  # np.int64, np.bool_: not Python numbers
+                    scalars.append((owner, name, value))
                     continue
                 if name in _FORWARD_HOOKS and not value:
                     continue
@@ -591,7 +614,7 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
     return Holdings(
         frozen, list(modules.values()), list(held.values()), list(given.values()),
         [t for k, t in unbindable.items() if k not in held and k not in given], attributes,
-        walk.exhausted or arguments.exhausted,
+        walk.exhausted or arguments.exhausted, scalars,
     )
 
 

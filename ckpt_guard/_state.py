@@ -53,6 +53,7 @@ from torch._C._functorch import (
     is_functorch_wrapped_tensor,
     peek_interpreter_stack,
 )
+from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 from torch.overrides import _get_current_function_mode_stack
@@ -89,9 +90,18 @@ def transform_stack() -> tuple[tuple[str, int], ...]:
     if peek_interpreter_stack() is None:
         return ()
     return tuple(
-        (_TRANSFORM_NAMES.get(i.key().name, i.key().name.lower()), i.level())
-        for i in retrieve_all_functorch_interpreters()
+        (_TRANSFORM_NAMES.get(name, name.lower()), level) for name, level in interpreter_levels()
     )
+
+
+def interpreter_levels() -> tuple[tuple[str, int], ...]:
+    """``(("Vmap", 1), ("Grad", 2))``: each live torch.func interpreter's key and level, outermost
+    first, read off the C stack (a Python interpreter object per level costs microseconds, and the
+    composable recompute asks several times per block)."""
+    stack = _get_interpreter_stack()
+    if not stack:
+        return ()
+    return tuple([(i.key().name, i.level()) for i in stack])
 
 
 transform_stack.active = peek_interpreter_stack  # type: ignore[attr-defined]
