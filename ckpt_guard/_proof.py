@@ -129,8 +129,10 @@ class ReadCheck(TorchFunctionMode):
             kwargs = {}
         if self.refused is not None:  # the call will not be packed: run it as it is
             return func(*args, **kwargs)
-        known = self.known
-        if func is _REQUIRES_GRAD_ and args and self._at_call_level(args[0]):
+        kind = _KINDS.get(func)
+        if kind is None:
+            kind = _kind_of(func)
+        if kind is _REQUIRES_GRAD_KIND and args and self._at_call_level(args[0]):
             # a leaf made inside the block: no recompute under a transform can make it again
             # (torch.func refuses requires_grad_() there), nor give it a gradient (a torch.func.grad
             # inside the block marks its own level's wrappers: those are fine)
@@ -139,30 +141,39 @@ class ReadCheck(TorchFunctionMode):
             generator = kwargs.get("generator")
             if type(generator) is _Generator and id(generator) not in self.generators:
                 self._keep_generator(generator)
-        unseen = _runs_unseen(func)
+        unseen = kind is _UNSEEN or kind is _UNSEEN_UPDATES
         if unseen:
             self._note_function(func, args)
-        if self.index_of:
-            self._note_reads(args, kwargs)
+        index_of = self.index_of
+        if index_of:
             if unseen:
                 self.unseen_reads = True
-            if _may_update(func, args, kwargs):
+            if kind is _UPDATES or kind is _UNSEEN_UPDATES or (
+                kind is _DEPENDS and _may_update(func, args, kwargs)
+            ) or (kwargs and ("out" in kwargs or kwargs.get("inplace") is True)):
                 self._keep_before(func, args, kwargs)
                 self._refuse_outside_writes(func, args, kwargs)
-        for arg in args:
+        # one pass: a given tensor is noted as read, any other tensor not known is looked at
+        known, read = self.known, self.read
+        for arg in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(arg, Tensor):
-                if id(arg) not in known:
+                key = id(arg)
+                i = index_of.get(key)
+                if i is not None:
+                    read.add(i)
+                elif key not in known:
                     self._unknown(arg, func)
             elif isinstance(arg, (list, tuple)):
                 for item in arg:
-                    if isinstance(item, Tensor) and id(item) not in known:
-                        self._unknown(item, func)
+                    if isinstance(item, Tensor):
+                        key = id(item)
+                        i = index_of.get(key)
+                        if i is not None:
+                            read.add(i)
+                        elif key not in known:
+                            self._unknown(item, func)
             elif type(arg) is _Generator and id(arg) not in self.generators:  # torch.poisson(rates, g)
                 self._keep_generator(arg)
-        for value in kwargs.values():
-            for item in (value if isinstance(value, (list, tuple)) else (value,)):
-                if isinstance(item, Tensor) and id(item) not in known:
-                    self._unknown(item, func)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             known.add(id(out))
@@ -485,6 +496,41 @@ def _may_update(func: Any, args: tuple, kwargs: Optional[dict]) -> bool:
         return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     # autograd.Function.apply, where a release hands it to the mode whole: its forward runs unseen
     return name == "apply"
+
+
+#: what :class:`ReadCheck` needs to know of an operation before looking at its arguments, worked out
+#: once per function (an op is called thousands of times a step): it writes into an argument
+#: (``_UPDATES``), only with some arguments (``_DEPENDS``: BatchNorm in training, Embedding with
+#: max_norm), runs an autograd.Function's forward unseen (``_UNSEEN``), makes a leaf
+#: (``requires_grad_``), or none of these (``out=`` and ``inplace=True`` are looked for at each call)
+_NEVER, _UPDATES, _DEPENDS, _REQUIRES_GRAD_KIND = "never", "updates", "depends", "leaf"
+#: ... and of the unseen ones, ``apply`` (handed to the mode whole) may write into any argument
+_UNSEEN, _UNSEEN_UPDATES = "unseen", "unseen, may write"
+_KINDS: dict = {}
+
+
+def _kind_of(func: Any) -> str:
+    name = getattr(func, "__name__", "") or ""
+    if func is _REQUIRES_GRAD_:
+        kind = _REQUIRES_GRAD_KIND
+    elif _runs_unseen(func):
+        kind = _UNSEEN_UPDATES if _may_update(func, (), None) else _UNSEEN
+    elif name in _NOT_WRITES:
+        kind = _NEVER
+    elif name in ("batch_norm", "embedding"):
+        kind = _DEPENDS
+    elif _may_update(func, (), None):
+        kind = _UPDATES
+    else:
+        kind = _NEVER
+    if kind is _UNSEEN or kind is _UNSEEN_UPDATES:
+        return kind  # rare; an autograd.Function's bound apply would keep its class alive here
+    try:
+        if len(_KINDS) < 65536:
+            _KINDS[func] = kind
+    except TypeError:  # an unhashable callable: worked out at each call
+        pass
+    return kind
 
 
 def _runs_unseen(func: Any) -> bool:
