@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional, Union
 
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
@@ -53,13 +54,17 @@ def install(policy: Optional[str] = None, *, rules: RulesArg = None) -> None:
     ``policy``: ``"off"``, ``"warn"``, ``"fallback"`` or ``"strict"``; ``None``
     reads ``CKPT_GUARD_POLICY`` (default ``"strict"``).  ``rules``: per-rule
     overrides ``{"CKG003": "warn"}`` (or ``"CKG003=warn,..."``); ``None`` reads
-    ``CKPT_GUARD_RULES``.  Calling it again replaces the configuration.  Works
+    ``CKPT_GUARD_RULES``.  Calling it again replaces the configuration (a
+    warning names both where they differ).  Works
     before ``import torch``: patching then happens once torch is imported.
     Raises ``ValueError`` for a bad configuration.
     """
     from . import _config, _patch
 
-    _patch.install(_config.build_config(policy, rules, read_env=True))
+    config = _config.build_config(policy, rules, read_env=True)
+    for warning in _config.install_warnings(config, policy, is_installed()):
+        warnings.warn(warning, UserWarning, stacklevel=2)
+    _patch.install(config)
 
 
 def uninstall() -> None:
@@ -96,6 +101,7 @@ def policy(policy: str, *, rules: RulesArg = None) -> Iterator[None]:
         from . import _patch
 
         _patch.enable_composable_fallback()
+    _config.installs[0] += 1  # fallback's once-per-call-site warnings start afresh in a new scope
     token = _config.push_scope(config)
     try:
         yield

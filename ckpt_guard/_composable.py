@@ -164,12 +164,16 @@ class Reason(str):
     """
 
     kind: str
+    #: the change to the user's code that makes the call packable, where there is one: a message's
+    #: first fix line
+    fix: str
 
-    def __new__(cls, kind: str, text: str) -> "Reason":
+    def __new__(cls, kind: str, text: str, fix: str = "") -> "Reason":
         if kind not in REFUSAL_CLASSES:
             raise ValueError(f"unknown refusal class {kind!r}")
         reason = str.__new__(cls, text)
         reason.kind = kind
+        reason.fix = fix
         return reason
 
     def described(self) -> str:
@@ -1221,8 +1225,12 @@ def plan(
             why = Reason(
                 "global-tensor",
                 f"it reads a tensor that needs a gradient through {which}, which cannot be passed to "
-                "the recompute as an input (its gradient would be lost); pass it to the block as an "
-                "argument instead: ckpt_guard.checkpoint(block, x, w) with block(x, w)",
+                "the recompute as an input (its gradient would be lost)",
+                fix=(
+                    f"pass {names or 'that tensor'} to the block as an argument: ckpt_guard.checkpoint(block, x, "
+                    f"{names.split('.')[-1] if names else 'w'}) with block(x, {names.split('.')[-1] if names else 'w'}): "
+                    "the composable recompute then lifts it, and its gradient is kept"
+                ),
             )
             if _reverse_mode_possible(args, kwargs, held):
                 return why

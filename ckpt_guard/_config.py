@@ -214,9 +214,42 @@ _scoped: contextvars.ContextVar[Config | None] = contextvars.ContextVar(
 scoped_config = _scoped.get
 
 
+_SOURCE_WORDS = {
+    "env": "the environment", "install": "install()", "cli": "python -m ckpt_guard run",
+    "pytest-option": "pytest's --ckpt-guard option", "pytest-ini": "pytest's ini file", "marker": "a pytest marker",
+}
+
+
+def install_warnings(config: Config, policy: str | None, installed: bool) -> list[str]:
+    """What ``install()`` says before it installs ``config``: a configuration it replaces, and a
+    malformed ``CKPT_GUARD_POLICY`` an explicit ``policy`` leaves unread (either would go unnoticed)."""
+    said = []
+    if installed and _installed != config and _installed.source != "default":
+        said.append(
+            f"ckpt_guard.install(): replacing the configuration installed earlier ({_installed.describe()}, "
+            f"set by {_SOURCE_WORDS.get(_installed.source, _installed.source)}) with {config.describe()}; "
+            "call ckpt_guard.uninstall() first to make "
+            "that explicit, or use ckpt_guard.policy(...) for a change that ends with a block"
+        )
+    env_value = os.environ.get(ENV_POLICY, "")
+    if policy is not None and env_value.strip() and env_value.strip().lower() not in POLICIES:
+        said.append(
+            f"ckpt_guard.install({policy!r}): environment variable {ENV_POLICY}={shown(env_value)} is not a "
+            f"policy (valid choices: {', '.join(POLICIES)}) and is not read here, because install() was given "
+            "a policy; fix or unset it, or the same program run without that argument will fail"
+        )
+    return said
+
+
+#: bumped by every ``install()``, ``uninstall()`` and ``policy()`` scope: fallback's once-per-call-site
+#: warnings start afresh
+installs = [0]
+
+
 def set_installed(config: Config) -> None:
     global _installed
     _installed = config
+    installs[0] += 1
 
 
 def current() -> Config:

@@ -257,14 +257,19 @@ _TRANSFORM_RULE_IDS = tuple(
 ) + tuple(rule.id for rule in DRIFT_RULES if rule.read == "transform_stack" and rule.holds_on(TORCH))
 
 
-_SUGGESTS_CHECKPOINT = "or call ckpt_guard.checkpoint(block, *inputs)"
+#: the words of the fix line that sends a block to ckpt_guard.checkpoint (dropped where it refused)
+_SUGGESTS_CHECKPOINT = "checkpoint these blocks with ckpt_guard.checkpoint(block, *inputs)"
+#: the first fix where fallback ran the composable recompute: the call is right and keeps its saving
+NOTHING_TO_FIX = (
+    "nothing to fix: the result is the uncheckpointed code's, and the memory saving is kept"
+)
 
 
 def _fixes(
     rule: Rule, policy: str, source: str, remedy: str = "", worked: bool = False, fired: Sequence[str] = (),
-    fallback_text: str = "",
+    fallback_text: str = "", saving_kept: bool = False,
 ) -> list[str]:
-    """The remedy (``remedy`` where one fits this case better), then the policy changes that help.
+    """What works first, then the remedy (``remedy`` where one fits this case better), then the policy changes.
 
     Each written for the channel that set the policy (environment,
     ``install()``, a ``policy()`` scope, a pytest marker or option, the ``run``
@@ -272,25 +277,39 @@ def _fixes(
     policy.  A line never leads somewhere worse than where the user is:
     where fallback ``worked`` (this call now runs correctly), no line turns
     the rule to warn or off (torch's error or wrong values would come back),
-    only how to keep this without the warning.  ``fired``: every rule this
-    call broke, named together so one change fixes them all.  ``fallback_text``:
-    what fallback does in this very case, where the rule's general words would not fit.
+    only how to keep this without the warning; where it also kept the
+    memory saving (``saving_kept``: the composable recompute ran) there is
+    nothing to fix.  Under a torch.func transform the lines that keep
+    checkpointing working come first (``ckpt_guard.checkpoint``, fallback),
+    before the remedy that moves or drops the checkpoint.  ``fired``: every
+    rule this call broke, named together so one change fixes them all.
+    ``fallback_text``: what fallback does in this very case, where the
+    rule's general words would not fit.
     """
     set_rule = functools.partial(_config.how_to_set, source)
+    if worked and saving_kept:
+        return [
+            NOTHING_TO_FIX,
+            "to keep this without the warning: warnings.filterwarnings('ignore', "
+            f"category=ckpt_guard.CheckpointCompositionWarning, message=r'\\[{rule.id}\\]')",
+        ]
     fixes = [remedy or rule.remedy]
     ids = list(dict.fromkeys([rule.id, *fired]))
     if rule.id in _TRANSFORM_RULE_IDS:
         ids += [i for i in _TRANSFORM_RULE_IDS if i not in ids]
     if rule.fallback_helps and policy != "fallback":
-        fixes.append(
+        working = [
             f"use fallback, {set_rule('fallback', ids)} (or for all rules: {set_rule('fallback')}); "
             f"fallback {fallback_text or rule.fallback}"
-        )
+        ]
         if rule.id in _TRANSFORM_RULE_IDS and "ckpt_guard.checkpoint" not in fixes[0]:
-            fixes.append(
-                f"{_SUGGESTS_CHECKPOINT} for these blocks: the composable recompute "
-                "under torch.func, torch's own checkpoint elsewhere, whatever the policy"
-            )
+            working.insert(0, (
+                f"{_SUGGESTS_CHECKPOINT}: the composable recompute under torch.func (it keeps the memory "
+                "saving), torch's own checkpoint elsewhere, whatever the policy"
+            ))
+            fixes = [*working, "or " + fixes[0]]  # what keeps checkpointing working leads
+        else:
+            fixes += working
     if worked:
         fixes.append(
             "to keep this without the warning: warnings.filterwarnings('ignore', "
@@ -305,8 +324,7 @@ def _fixes(
         fixes.append(f"or silence it (torch does the same, without the warning): {set_rule('off', rule.id)}")
     elif rule.always_raises and policy == "strict":
         fixes.append(
-            f"or, if this composition is in fact right here, let torch run it: {set_rule('off', rule.id)} "
-            "(torch raises the error above)"
+            f"or, to get torch's own error instead of this one: {set_rule('off', rule.id)}"
         )
     return fixes
 
@@ -330,6 +348,7 @@ def build_message(
     worked: bool = False,
     symptom: str = "",
     fallback_text: str = "",
+    saving_kept: bool = False,
 ) -> str:
     # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
     lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
@@ -352,15 +371,38 @@ def build_message(
     if action:
         lines.append(f"  ckpt_guard: {action}")
     lines.append("  fix:")
-    lines.extend(f"    - {fix}" for fix in _fixes(rule, policy, source, remedy, worked, also, fallback_text))
+    lines.extend(
+        f"    - {fix}" for fix in _fixes(rule, policy, source, remedy, worked, also, fallback_text, saving_kept)
+    )
     lines.append(f"  details: python -m ckpt_guard explain {rule.id}")
     return "\n".join(lines)
 
 
-def _warn(message: str, rule: Rule) -> None:
-    """Warn, attributing the warning to the user's line (as a normal warning would)."""
-    _, depth = user_frame(sys._getframe(1))
+def _warn(message: str, rule: Rule, once: str = "") -> None:
+    """Warn, attributing the warning to the user's line (as a normal warning would).
+
+    ``once``: what fallback did about it; such a warning is given once per
+    rule, call site and action until the next ``install()`` (a loop over
+    layers, step after step, would otherwise say the same thing per block per
+    step).  The events (``ckpt_guard.record()``) still record every call.
+    """
+    frame, depth = user_frame(sys._getframe(1))
+    if once and frame is not None:
+        key = (_config.installs[0], rule.id, frame.f_code, frame.f_lasti, once)
+        if key in _warned_once:
+            return
+        if len(_warned_once) >= 4096:  # a program generating code: forget, rather than grow
+            _warned_once.clear()
+        _warned_once.add(key)
+        message += (
+            "\n  (shown once for this call site; later calls here that fallback handles the same way "
+            "are not warned about again)"
+        )
     warnings.warn(CheckpointCompositionWarning(message, rule), stacklevel=depth + 2)
+
+
+#: (install generation, rule id, code, instruction, action) of each fallback warning given
+_warned_once: set = set()
 
 
 # --------------------------------------------------------------------------
@@ -464,7 +506,7 @@ def decide_call(
     _warn(_with_refusal(build_message(
         rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also,
         worked=policy == "fallback", **where,
-    ), refused), rule)
+    ), refused), rule, once=action if policy == "fallback" else "")
     return AS_ASKED if outcome == PROCEED else outcome
 
 
@@ -488,7 +530,15 @@ def _with_refusal(message: str, refused: str) -> str:
     lines = [line for line in message.splitlines() if _SUGGESTS_CHECKPOINT not in line]
     why = "  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(refused)
     at = next((i + 1 for i, line in enumerate(lines) if line.startswith("  variant:")), len(lines))
-    return "\n".join([*lines[:at], why, *lines[at:]])  # the cause next to the variant, before the fixes
+    lines = [*lines[:at], why, *lines[at:]]  # the cause next to the variant, before the fixes
+    # the headline names what the user called, and the change that makes it work comes first
+    code, _, title = lines[0].partition(" ")
+    lines[0] = f"{code} ckpt_guard.checkpoint could not use its composable recompute ({title})"
+    fix = getattr(refused, "fix", "")
+    if fix and "  fix:" in lines:
+        at = lines.index("  fix:") + 1
+        lines.insert(at, f"    - {fix}")
+    return "\n".join(lines)
 
 
 def _non_reentrant_will_do(state: _state.CallState, config: _config.Config, function: Any) -> bool:
@@ -1313,7 +1363,8 @@ def _report_at_recompute(
     if policy == "warn" or (policy == "fallback" and repaired):
         action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
         _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, rule.stage)
-        _warn(build_message(rule, policy=policy, action=action, worked=policy == "fallback", **details), rule)
+        _warn(build_message(rule, policy=policy, action=action, worked=policy == "fallback", **details), rule,
+              once=action if policy == "fallback" else "")
         return
     unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
     message = build_message(
@@ -1386,7 +1437,7 @@ def anticipate(
         ),
     )
     _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")
-    _warn(message, rule)
+    _warn(message, rule, once="no checkpoint")
     return NO_CHECKPOINT
 
 
@@ -1544,9 +1595,9 @@ def composable_instead(
         symptom = _case_symptom(rule, transforms, ()) if rule.read == "transform_stack" else ""
         _warn(build_message(
             rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
-            anticipated=anticipated, also=also, worked=True, symptom=symptom,
+            anticipated=anticipated, also=also, worked=True, symptom=symptom, saving_kept=refusal is None,
             **_where(function, transforms, site_frame),
-        ), rule)
+        ), rule, once=action)
 
     return built, announce
 
@@ -1609,7 +1660,7 @@ def _untracked_swap(
         _warn(build_message(
             rule, site=site, policy=policy, anticipated=True, worked=True,
             action="ran it without checkpointing (policy fallback)", **details,
-        ) + refused, rule)
+        ) + refused, rule, once="no checkpoint")
         with forward_context_of(context_fn) or contextlib.nullcontext():
             return function(*args, **block_kwargs)
     given = [a for a in (*args, *kwargs.values()) if isinstance(a, _Tensor)]
@@ -1646,7 +1697,7 @@ def _refused_under_swap(function: Any, config: _config.Config, reason: str) -> N
     _warn(build_message(
         rule, site=site, policy=policy, anticipated=True, worked=True,
         action=f"ran it once without checkpointing (policy {policy}): that run is the result", **details,
-    ) + refused, rule)
+    ) + refused, rule, once="ran once" if policy == "fallback" else "")
 
 
 class _RecordedReads:

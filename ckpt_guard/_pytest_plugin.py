@@ -301,6 +301,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, None]:
         ckpt_guard.install(policy, rules=overrides)
         installed_here = True
     # the marker's scope, as ckpt_guard.policy() opens one, but named after the marker in messages
+    _config.installs[0] += 1  # and, as there, fallback's once-per-call-site warnings start afresh
     scope = _config.Config(policy, overrides, "marker")
     if scope.may_fall_back:
         from . import _patch

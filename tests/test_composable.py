@@ -145,8 +145,9 @@ def _reads_the_global(t):
 
 
 def test_a_tensor_read_through_a_global_is_named_with_the_fix_next_to_the_variant():
-    """The refusal names the global and says to pass it as an argument; it stands right after the
-    variant line (which says ckpt_guard.checkpoint, not use_reentrant=False), before the fixes."""
+    """The refusal names the global right after the variant line (which says ckpt_guard.checkpoint, not
+    use_reentrant=False); the headline names ckpt_guard.checkpoint (what the user called), and the first
+    fix is passing the global as an argument (a user found it buried mid-message)."""
     global _GLOBAL_WEIGHT
     x = torch.randn(4, 3)
 
@@ -164,7 +165,9 @@ def test_a_tensor_read_through_a_global_is_named_with_the_fix_next_to_the_varian
     variant = next(i for i, line in enumerate(lines) if line.startswith("  variant:"))
     assert lines[variant] == "  variant: ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)"
     assert "through the global _GLOBAL_WEIGHT" in lines[variant + 1], lines
-    assert "pass it to the block as an argument" in lines[variant + 1], lines
+    assert lines[0].startswith("[CKG001] ckpt_guard.checkpoint could not use its composable recompute"), lines[0]
+    first_fix = lines[lines.index("  fix:") + 1]
+    assert first_fix.startswith("    - pass _GLOBAL_WEIGHT to the block as an argument: ckpt_guard.checkpoint("), first_fix
 
 
 _W = torch.randn(3, 3)

@@ -576,3 +576,43 @@ def test_an_unknown_signature_is_reported_not_half_guarded():
 
     with pytest.raises(Unsupported, match="_checkpoint_without_reentrant_generator"):
         find_non_reentrant(_generator_module("(fn, inputs, *, preserve_rng_state=True)"))
+
+
+def _install_warnings(*calls) -> list:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for policy in calls:
+            ckpt_guard.install(policy)
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning) and "ckpt_guard.install" in str(w.message)]
+
+
+def test_a_second_install_with_another_policy_says_it_replaces_the_first():
+    ckpt_guard.uninstall()
+    try:
+        said = _install_warnings("strict", "strict", "fallback")
+        assert len(said) == 1, said  # the same policy again is no change
+        assert "replacing the configuration installed earlier (strict, set by install()) with fallback" in said[0]
+        assert "ckpt_guard.uninstall() first" in said[0]
+        assert ckpt_guard.current_config() == "fallback"  # it still replaces it
+        ckpt_guard.uninstall()
+        assert _install_warnings("warn") == []  # after uninstall(): nothing is replaced
+    finally:
+        ckpt_guard.uninstall()
+
+
+def test_an_explicit_policy_says_a_malformed_environment_policy_goes_unread(monkeypatch):
+    ckpt_guard.uninstall()
+    monkeypatch.setenv("CKPT_GUARD_POLICY", "fallbak")
+    try:
+        said = _install_warnings("fallback")
+        assert len(said) == 1, said
+        assert "CKPT_GUARD_POLICY='fallbak' is not a policy" in said[0]
+        assert "off, warn, fallback, strict" in said[0]
+        assert ckpt_guard.current_config() == "fallback"
+        ckpt_guard.uninstall()
+        with pytest.raises(ValueError, match="fallbak"):  # without the argument it is read, and refused
+            ckpt_guard.install()
+        monkeypatch.setenv("CKPT_GUARD_POLICY", "strict")  # a valid one the argument overrides: no word
+        assert _install_warnings("fallback") == []
+    finally:
+        ckpt_guard.uninstall()

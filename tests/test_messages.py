@@ -23,6 +23,7 @@ import ckpt_guard
 from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
 from ckpt_guard._rules import rule_by_id
 from ckpt_guard._versions import installed
+from conftest import per_sample_grads_refusal
 
 
 class Net(torch.nn.Module):
@@ -265,3 +266,115 @@ def test_a_reentrant_checkpoint_under_grad_is_not_sent_to_use_reentrant_false():
     finally:
         ckpt_guard.uninstall()
     torch.testing.assert_close(followed, grad(lambda t: block(t).sum())(x))
+
+
+def _always_raising_rules():
+    from ckpt_guard._rules import CALL_RULES
+
+    return [r for r in CALL_RULES if r.always_raises and r.holds_on(installed()) and not r.needs_gpu]
+
+
+@pytest.mark.parametrize("rule", _always_raising_rules(), ids=lambda r: r.id)
+def test_where_torch_raises_the_off_line_says_it_gives_torchs_error(installed_strict, rule):
+    """A rule whose composition torch refuses: the line turning it off says what off gives (torch's own
+    error), never 'if this composition is in fact right here' (a user read that as a contradiction)."""
+    variant = rule.variants[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            rule.probe(checkpoint, variant == "reentrant")
+        except CheckpointCompositionError as error:
+            message = str(error)
+        else:
+            pytest.fail(f"{rule.id}'s probe ran under strict without raising")
+    assert "in fact right here" not in message
+    off_lines = [line for line in message.splitlines() if "off" in line and rule.id in line and "instead" in line]
+    assert any("to get torch's own error instead of this one" in line for line in off_lines), message
+
+
+class _ThreeLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=False)  # one call site for all three layers
+        return h.sum()
+
+
+def _per_sample_steps(net: torch.nn.Module, steps: int) -> tuple:
+    """Per-sample gradients of ``net`` ``steps`` times: (ckpt_guard's warnings, the events)."""
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    per_sample = vmap(grad(lambda p, x: functional_call(net, p, (x,))), in_dims=(None, 0))
+    with warnings.catch_warnings(record=True) as caught, ckpt_guard.record() as events:
+        warnings.simplefilter("always")  # Python's own once-per-location rule out of the way
+        for _ in range(steps):
+            per_sample(params, torch.randn(5, 4))
+    return [w for w in caught if issubclass(w.category, CheckpointCompositionWarning)], events
+
+
+def test_fallback_warns_once_per_rule_and_call_site_and_records_every_call():
+    """Fallback handled each call (the composable recompute): one warning for the call site, not one per
+    layer per step (six for a 3-layer model in two steps); the events still record every call, and the
+    next install() starts afresh."""
+    rule_id = per_sample_grads_refusal()
+    ckpt_guard.install("fallback")
+    try:
+        warned, events = _per_sample_steps(_ThreeLayers(), 2)
+        assert [w.message.rule.id for w in warned] == [rule_id], [str(w.message) for w in warned]
+        assert "shown once for this call site" in str(warned[0].message)
+        assert len([e for e in events if e.rule_id == rule_id]) == 6
+        ckpt_guard.install("fallback")  # a new install: said again, once
+        warned_again, _ = _per_sample_steps(_ThreeLayers(), 1)
+        assert [w.message.rule.id for w in warned_again] == [rule_id]
+    finally:
+        ckpt_guard.uninstall()
+
+
+def _fix_lines(message: str) -> list:
+    return [line.strip()[2:] for line in message.split("  fix:\n", 1)[1].splitlines() if line.startswith("    - ")]
+
+
+def test_strict_under_a_transform_leads_with_what_keeps_checkpointing_working(installed_strict):
+    """CKG001 under vmap(grad): the first fix is ckpt_guard.checkpoint (works, keeps the memory saving),
+    then fallback; moving or dropping the checkpoint comes after. Followed, the first line gives the
+    uncheckpointed per-sample gradients."""
+    net = Net()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(5, 4)
+    per_sample = vmap(grad(lambda p, xi: functional_call(net, p, (xi[None],))), in_dims=(None, 0))
+    with pytest.raises(CheckpointCompositionError) as info:
+        per_sample(params, x)
+    fixes = _fix_lines(str(info.value))
+    assert fixes[0].startswith("checkpoint these blocks with ckpt_guard.checkpoint"), fixes
+    assert fixes[1].startswith("use fallback"), fixes
+    assert any(line.startswith("or move the checkpoint call outside") for line in fixes[2:]), fixes
+    followed = Net()
+    followed.forward = lambda h: _ckpt_guard_forward(followed, h)
+    plain = Net(checkpointing=False)
+    expected = vmap(grad(lambda p, xi: functional_call(plain, p, (xi[None],))), in_dims=(None, 0))(params, x)
+    got = vmap(grad(lambda p, xi: functional_call(followed, p, (xi[None],))), in_dims=(None, 0))(params, x)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k])
+
+
+def _ckpt_guard_forward(net: Net, x):
+    for block in net.blocks:
+        x = ckpt_guard.checkpoint(block, x)
+    return x.pow(2).mean()
+
+
+def test_where_fallbacks_composable_recompute_ran_there_is_nothing_to_fix():
+    """Fallback said it ran the composable recompute and kept the saving: its fix list said 'move the
+    checkpoint call outside the transform' next (a user read that as something still to do)."""
+    ckpt_guard.install("fallback")
+    try:
+        warned, _ = _per_sample_steps(_ThreeLayers(), 1)
+    finally:
+        ckpt_guard.uninstall()
+    fixes = _fix_lines(str(warned[0].message))
+    assert fixes[0].startswith("nothing to fix"), fixes
+    assert not any("move the checkpoint call" in line for line in fixes), fixes
+    assert "warnings.filterwarnings('ignore'" in fixes[-1]
