@@ -189,6 +189,7 @@ def describe_reason(reason: str) -> str:
 REFUSAL_CLASSES = {
     "user-mode": "a user TorchDispatchMode or TorchFunctionMode is active: the recompute would run without it",
     "compiled": "the block is a torch.compile'd function or module (torch < 2.6 only)",
+    "scripted": "the block reaches a TorchScript module (torch.jit.script / trace), which reads its own parameters",
     "functionalize": "functionalize does not transform custom autograd Functions",
     "forward-over-forward": "jvp over jvp: forward mode does not differentiate a custom jvp",
     "dual-level": "a forward-AD dual level of the user's own (not torch.func.jvp's), with reverse mode too",
@@ -1345,6 +1346,18 @@ def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
 
 
 def _why_not_packed_held(function: Any, held: _rebind.Holdings) -> Optional[str]:
+    scripted = next((m for m in held.modules if isinstance(m, _SCRIPT_MODULE)), None)
+    if scripted is not None:
+        return Reason(
+            "scripted",
+            f"it runs a TorchScript module ({type(scripted).__name__} of {scripted.original_name}): TorchScript "
+            "reads the module's own parameters, which no recompute can bind to the tensors of a call",
+            fix="checkpoint the module before scripting it (the nn.Module, not its torch.jit.script / trace)",
+        ) if hasattr(scripted, "original_name") else Reason(
+            "scripted",
+            "it runs a TorchScript module: TorchScript reads the module's own parameters, which no "
+            "recompute can bind to the tensors of a call",
+        )
     subclass = _tensor_subclass_in(held)
     if subclass is not None:
         return Reason(
@@ -1381,6 +1394,7 @@ def _global_names(function: Any, tensor: Tensor) -> str:
     return ", ".join(names)
 
 
+_SCRIPT_MODULE = torch.jit.ScriptModule
 _PLAIN_TORCH_FUNCTIONS = (torch.Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
 
 

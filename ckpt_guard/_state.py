@@ -698,7 +698,8 @@ def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
         "            return None\n"
         f"        return ({''.join(tensors)}), (({''.join(hooks)}) if {' or '.join(any_hook)} else None), "
         f"({''.join(flags)})\n"
-        "    except (KeyError, AttributeError):  # a submodule gone or None, or a module unlike nn.Module's\n"
+        "    except (KeyError, AttributeError, TypeError):  # a submodule gone or None, or a module unlike\n"
+        "        # nn.Module's (torch.jit.script's dicts are wrappers dict.copy does not take)\n"
         "        return None\n"
     )
     namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
@@ -775,7 +776,10 @@ def block_snapshot(function: object) -> tuple:
             _block_structure.pop(id(function), None)
             snapshot = _structure(function).snapshot(function)
             if snapshot is None:
-                return _read_snapshot(function)
+                try:
+                    return _read_snapshot(function)
+                except Exception:  # noqa: BLE001 - a module the guard cannot read (a C++ one): nothing to compare
+                    return _NOTHING
         return snapshot
     if kind is types.FunctionType and function.__closure__:
         try:
