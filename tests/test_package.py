@@ -54,3 +54,35 @@ def test_dir_lists_the_public_names_and_each_resolves():
     assert dir(ckpt_guard) == sorted([*ckpt_guard.__all__, "__version__"])
     for name in dir(ckpt_guard):
         assert getattr(ckpt_guard, name) is not None, name
+
+
+def _readme() -> str:
+    with open(os.path.join(REPO_ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_readme_keeps_to_its_first_screen_and_its_install_section_stands_alone():
+    """A new user followed 'install the torch you want first' into a 5.4 GB CUDA build, and met a
+    placeholder URL and 'this machine' (issue 30): the install section says how to get each torch."""
+    import re
+
+    text = _readme()
+    assert len(text.splitlines()) <= 300
+    install = text.split("## Install it into your project", 1)[1].split("\n## ", 1)[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in install  # the CPU torch
+    assert re.search(r"--index-url https://download.pytorch.org/whl/cu\d+", install)  # a CUDA torch
+    assert "git+https://" in install and "<its repository URL>" not in text
+    assert "this machine" not in text
+
+
+def test_every_relative_link_in_the_readme_and_docs_leads_to_a_file():
+    import re
+
+    for folder, name in [("", "README.md"), *(("docs", n) for n in os.listdir(os.path.join(REPO_ROOT, "docs")) if n.endswith(".md"))]:
+        path = os.path.join(REPO_ROOT, folder, name)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert os.path.exists(os.path.join(os.path.dirname(path), target)), f"{folder}/{name}: {target}"
