@@ -643,10 +643,10 @@ class Plan:
                 stack.enter_context(_state.replaying_generators(self.generators, lock=False))
             if self.contents:
                 stack.enter_context(_state.replaying_contents(self.contents, lock=False))
-            if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
-                if device_autocast != _autocast_now(device_type):
-                    stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
-            if cpu_autocast != _autocast_now("cpu"):
+            device_now, cpu_now = _tuc._get_autocast_kwargs(device_type)  # how torch's checkpoint records them
+            if device_type != "cpu" and device_autocast is not None and device_autocast != device_now:
+                stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
+            if cpu_autocast != cpu_now:
                 stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
             if self.recompute_context is not _NO_CONTEXT:
                 stack.enter_context(self.recompute_context)
@@ -657,15 +657,6 @@ class Plan:
 
 
 _NO_CONTEXT = contextlib.nullcontext()
-
-
-def _autocast_now(device_type: str) -> dict:
-    """The autocast settings in force for ``device_type``, as ``torch.utils.checkpoint`` records them."""
-    return {
-        "enabled": torch.is_autocast_enabled(device_type),
-        "dtype": torch.get_autocast_dtype(device_type),
-        "cache_enabled": torch.is_autocast_cache_enabled(),
-    }
 
 
 @contextlib.contextmanager
@@ -1295,17 +1286,16 @@ class _SharedEagerStance:
                 undo()
 
     def _set(self) -> Callable[[], Any]:
+        """Set the stance; returns what undoes it.  The first time (or where dynamo has no
+        ``_set_stance``) through ``torch.compiler.set_stance``, keeping the stance object it made."""
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
         set_raw = getattr(eval_frame, "_set_stance", None)
-        if set_raw is None or not hasattr(eval_frame, "_stance"):
+        if set_raw is None or self.force_eager is None:
             stance = _SET_STANCE("force_eager")
             stance.__enter__()
+            if set_raw is not None:
+                self.force_eager = getattr(eval_frame, "_stance", None)
             return lambda: stance.__exit__(None, None, None)
-        if self.force_eager is None:
-            stance = _SET_STANCE("force_eager")
-            stance.__enter__()
-            self.force_eager = eval_frame._stance
-            stance.__exit__(None, None, None)
         prior = set_raw(self.force_eager)
         return lambda: set_raw(prior)
 
@@ -1348,15 +1338,13 @@ def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
 def _why_not_packed_held(function: Any, held: _rebind.Holdings) -> Optional[str]:
     scripted = next((m for m in held.modules if isinstance(m, _SCRIPT_MODULE)), None)
     if scripted is not None:
+        original = getattr(scripted, "original_name", None)
+        which = f" ({type(scripted).__name__} of {original})" if original else ""
         return Reason(
             "scripted",
-            f"it runs a TorchScript module ({type(scripted).__name__} of {scripted.original_name}): TorchScript "
-            "reads the module's own parameters, which no recompute can bind to the tensors of a call",
-            fix="checkpoint the module before scripting it (the nn.Module, not its torch.jit.script / trace)",
-        ) if hasattr(scripted, "original_name") else Reason(
-            "scripted",
-            "it runs a TorchScript module: TorchScript reads the module's own parameters, which no "
+            f"it runs a TorchScript module{which}: TorchScript reads the module's own parameters, which no "
             "recompute can bind to the tensors of a call",
+            fix="checkpoint the module before scripting it (the nn.Module, not its torch.jit.script / trace)",
         )
     subclass = _tensor_subclass_in(held)
     if subclass is not None:

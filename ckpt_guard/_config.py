@@ -228,8 +228,8 @@ def install_warnings(config: Config, policy: str | None, installed: bool) -> lis
         said.append(
             f"ckpt_guard.install(): replacing the configuration installed earlier ({_installed.describe()}, "
             f"set by {_SOURCE_WORDS.get(_installed.source, _installed.source)}) with {config.describe()}; "
-            "call ckpt_guard.uninstall() first to make "
-            "that explicit, or use ckpt_guard.policy(...) for a change that ends with a block"
+            "call ckpt_guard.uninstall() first to make that explicit, or use ckpt_guard.policy(...) "
+            "for a change that ends with a block"
         )
     env_value = os.environ.get(ENV_POLICY, "")
     if policy is not None and env_value.strip() and env_value.strip().lower() not in POLICIES:

@@ -287,12 +287,12 @@ def _fixes(
     rule's general words would not fit.
     """
     set_rule = functools.partial(_config.how_to_set, source)
+    silence = (
+        "to keep this without the warning: warnings.filterwarnings('ignore', "
+        f"category=ckpt_guard.CheckpointCompositionWarning, message=r'\\[{rule.id}\\]')"
+    )
     if worked and saving_kept:
-        return [
-            NOTHING_TO_FIX,
-            "to keep this without the warning: warnings.filterwarnings('ignore', "
-            f"category=ckpt_guard.CheckpointCompositionWarning, message=r'\\[{rule.id}\\]')",
-        ]
+        return [NOTHING_TO_FIX, silence]
     fixes = [remedy or rule.remedy]
     ids = list(dict.fromkeys([rule.id, *fired]))
     if rule.id in _TRANSFORM_RULE_IDS:
@@ -311,10 +311,7 @@ def _fixes(
         else:
             fixes += working
     if worked:
-        fixes.append(
-            "to keep this without the warning: warnings.filterwarnings('ignore', "
-            f"category=ckpt_guard.CheckpointCompositionWarning, message=r'\\[{rule.id}\\]')"
-        )
+        fixes.append(silence)
         return fixes
     if policy == "fallback" and rule.stage == "recompute":  # a risk seen at call time
         fixes.append(

@@ -156,24 +156,18 @@ class ReadCheck(TorchFunctionMode):
         # one pass: a given tensor is noted as read, any other tensor not known is looked at
         known, read = self.known, self.read
         for arg in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(arg, Tensor):
-                key = id(arg)
-                i = index_of.get(key)
-                if i is not None:
-                    read.add(i)
-                elif key not in known:
-                    self._unknown(arg, func)
-            elif isinstance(arg, (list, tuple)):
-                for item in arg:
-                    if isinstance(item, Tensor):
-                        key = id(item)
-                        i = index_of.get(key)
-                        if i is not None:
-                            read.add(i)
-                        elif key not in known:
-                            self._unknown(item, func)
-            elif type(arg) is _Generator and id(arg) not in self.generators:  # torch.poisson(rates, g)
-                self._keep_generator(arg)
+            if type(arg) is _Generator:  # torch.poisson(rates, g)
+                if id(arg) not in self.generators:
+                    self._keep_generator(arg)
+                continue
+            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(item, Tensor):
+                    key = id(item)
+                    i = index_of.get(key)
+                    if i is not None:
+                        read.add(i)
+                    elif key not in known:
+                        self._unknown(item, func)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             known.add(id(out))

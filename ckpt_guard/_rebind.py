@@ -598,12 +598,10 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
                 if isinstance(value, Tensor):
                     attributes.append((owner, name, value))
                     continue
-                if isinstance(value, _reads._PLAIN) and not isinstance(value, (types.FunctionType, functools.partial)):
-                    if type(value) in _SCALARS or _numpy_scalar(value):
-                        scalars.append((owner, name, value))
-                    continue
-                if _numpy_scalar(value):  # np.int64, np.bool_: not Python numbers
+                if type(value) in _SCALARS or _numpy_scalar(value):  # np.int64, np.bool_ too
                     scalars.append((owner, name, value))
+                    continue
+                if isinstance(value, _reads._PLAIN) and not isinstance(value, (types.FunctionType, functools.partial)):
                     continue
                 if name in _FORWARD_HOOKS and not value:
                     continue

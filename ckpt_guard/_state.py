@@ -54,7 +54,6 @@ from torch._C._functorch import (
     peek_interpreter_stack,
 )
 from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from torch.autograd import forward_ad
 from torch.overrides import _get_current_function_mode_stack
 from torch.overrides import TorchFunctionMode
