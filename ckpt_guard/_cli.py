@@ -4,7 +4,7 @@
 
     python -m ckpt_guard                   # measure every rule on this torch; exit 1 if the table is stale
     python -m ckpt_guard --json            # the same, machine-readable on stdout
-    python -m ckpt_guard rules             # the rule table and the policy in force (from the environment)
+    python -m ckpt_guard rules             # the rule table and the policy the environment sets
     python -m ckpt_guard explain CKG001    # one rule in full, with its minimal reproduction
     python -m ckpt_guard run [--policy P] [--rules ID=P,...] script.py [args...]
     python -m ckpt_guard run [--policy P] [--rules ID=P,...] -m package.module [args...]
@@ -68,7 +68,7 @@ def _build_parser() -> _Parser:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    sub.add_parser("rules", help="list the rules and the policy in force for each (from the environment)")
+    sub.add_parser("rules", help="list the rules and the policy the environment sets for each")
 
     explain = sub.add_parser("explain", help="print one rule in full, with its minimal reproduction")
     explain.add_argument("rule_id", metavar="ID", help="a rule id, e.g. CKG001 (any case)")
@@ -323,9 +323,14 @@ def _cmd_rules() -> int:
         name: os.environ.get(name, "").strip() or "unset"
         for name in (_config.ENV_POLICY, _config.ENV_RULES)
     }
+    default = "" if os.environ.get(_config.ENV_POLICY, "").strip() else ", the default"
     print(
-        f"policy in force: {config.describe()}  "
-        f"({_config.ENV_POLICY}: {env[_config.ENV_POLICY]}, {_config.ENV_RULES}: {env[_config.ENV_RULES]})"
+        f"policy from the environment: {config.describe()}  "
+        f"({_config.ENV_POLICY}: {env[_config.ENV_POLICY]}{default}; {_config.ENV_RULES}: {env[_config.ENV_RULES]})"
+    )
+    print(
+        "  used by ckpt_guard.install() with no argument and by ckpt_guard.checkpoint; "
+        "torch.utils.checkpoint is guarded only once install() has run"
     )
     print()
     rows = [
@@ -344,6 +349,15 @@ def _wrapped(label: str, text: str, width: int = 100) -> List[str]:
         text, width=width, initial_indent=f"{label:<16}", subsequent_indent=" " * 16,
         break_long_words=False, break_on_hyphens=False,
     ) or [label]
+
+
+#: the first fix ``explain`` gives for a rule the composable recompute handles
+COMPOSABLE_WORKS = (
+    "checkpoint the block with ckpt_guard.checkpoint(block, *inputs) instead of torch.utils.checkpoint: "
+    "under torch.func it runs the composable recompute (the uncheckpointed code's result, the memory "
+    "saving kept), elsewhere torch's own checkpoint; for torch's own calls, install the guard with "
+    "policy fallback, which does the same"
+)
 
 
 def _cmd_explain(rule_id: str) -> int:
@@ -365,7 +379,9 @@ def _cmd_explain(rule_id: str) -> int:
     out += _wrapped("symptom:", f"{rule.symptom} [{symptoms}]")
     if rule.raises_match:
         out += _wrapped("torch's error:", f"matches /{rule.raises_match}/")
-    out += _wrapped("remedy:", rule.remedy)
+    if rule.composable_helps:  # what keeps checkpointing and its memory saving comes first
+        out += _wrapped("works:", COMPOSABLE_WORKS)
+    out += _wrapped("remedy:", ("or " if rule.composable_helps else "") + rule.remedy)
     out += _wrapped("fallback:", rule.fallback or "-")
     out.append("references:" if rule.refs else "references:     -")
     out += [f"  {ref}" for ref in rule.refs]

@@ -253,7 +253,7 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 #: several of them at different calls (MAML: CKG001 in the inner grad, CKG003 under the
 #: outer vmap), so a fix line names them all at once
 _TRANSFORM_RULE_IDS = tuple(
-    rule.id for rule in CALL_RULES_HERE if "composable recompute" in rule.fallback
+    rule.id for rule in CALL_RULES_HERE if rule.composable_helps
 ) + tuple(rule.id for rule in DRIFT_RULES if rule.read == "transform_stack" and rule.holds_on(TORCH))
 
 
@@ -295,11 +295,13 @@ def _fixes(
         return [NOTHING_TO_FIX, silence]
     fixes = [remedy or rule.remedy]
     ids = list(dict.fromkeys([rule.id, *fired]))
-    if rule.id in _TRANSFORM_RULE_IDS:
+    also = ""
+    if rule.id in _TRANSFORM_RULE_IDS:  # the next transform in the program trips the next one of these
         ids += [i for i in _TRANSFORM_RULE_IDS if i not in ids]
+        also = f" ({', '.join(dict.fromkeys([rule.id, *fired]))} and the other torch.func rules: one round covers every transform)"
     if rule.fallback_helps and policy != "fallback":
         working = [
-            f"use fallback, {set_rule('fallback', ids)} (or for all rules: {set_rule('fallback')}); "
+            f"use fallback, {set_rule('fallback', ids)}{also} (or for all rules: {set_rule('fallback')}); "
             f"fallback {fallback_text or rule.fallback}"
         ]
         if rule.id in _TRANSFORM_RULE_IDS and "ckpt_guard.checkpoint" not in fixes[0]:
@@ -392,8 +394,8 @@ def _warn(message: str, rule: Rule, once: str = "") -> None:
             _warned_once.clear()
         _warned_once.add(key)
         message += (
-            "\n  (shown once for this call site; later calls here that fallback handles the same way "
-            "are not warned about again)"
+            "\n  (shown once for this call site: later calls here, other blocks and later steps included, that "
+            "fallback handles the same way are not warned about again; `with ckpt_guard.record() as events:` collects every call)"
         )
     warnings.warn(CheckpointCompositionWarning(message, rule), stacklevel=depth + 2)
 

@@ -101,6 +101,11 @@ class Rule:
         """Torch raises (loudly) in every variant the rule is about: nothing is silently wrong."""
         return all(self.symptom_for(v) == "raises" for v in self.variants)
 
+    @property
+    def composable_helps(self) -> bool:
+        """``ckpt_guard.checkpoint``'s composable recompute runs this case correctly, keeping the saving."""
+        return "composable recompute" in self.fallback
+
     def holds_on(self, version: Version) -> bool:
         return version in self.torch_range
 

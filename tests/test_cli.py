@@ -316,6 +316,32 @@ def test_explain_prints_rule_and_probe_source(tmp_path):
     assert "return [grad(loss)(x)]" in result.stdout
 
 
+@pytest.mark.parametrize("rule_id", ["CKG001", "CKG002", "CKG105"])
+def test_explain_leads_with_what_keeps_checkpointing_where_the_composable_recompute_helps(rule_id, tmp_path):
+    """A rule ckpt_guard.checkpoint handles says so before the remedy that moves or drops the checkpoint."""
+    result = cli("explain", rule_id, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    labels = [line.split(":")[0].strip() for line in result.stdout.splitlines() if line[:1].isalpha()]
+    rule = rule_by_id(rule_id)
+    if rule.composable_helps:
+        assert labels.index("works") < labels.index("remedy")
+        works = next(line for line in result.stdout.splitlines() if line.startswith("works:"))
+        assert "ckpt_guard.checkpoint(block, *inputs)" in works
+    else:  # CKG105 (default dtype) is not a transform rule: no such line
+        assert "works" not in labels and "ckpt_guard.checkpoint(block" not in result.stdout
+
+
+def test_rules_says_where_the_policy_comes_from_and_who_uses_it(tmp_path):
+    """With nothing set the policy is the default, and it is what install() would use: not 'in force'."""
+    unset = cli("rules", cwd=tmp_path, env=_env())
+    assert unset.returncode == 0, unset.stderr
+    head = unset.stdout.splitlines()[:2]
+    assert head[0].startswith("policy from the environment: strict") and "unset, the default" in head[0]
+    assert "install() with no argument" in head[1] and "only once install() has run" in head[1]
+    set_ = cli("rules", cwd=tmp_path, env=_env(CKPT_GUARD_POLICY="warn"))
+    assert set_.stdout.startswith("policy from the environment: warn  (CKPT_GUARD_POLICY: warn;")
+
+
 @pytest.mark.parametrize("rule_id", ["CKG001", "CKG006", "CKG113"])
 def test_explains_reproduction_runs_as_a_script(rule_id, tmp_path):
     """The reproduction ``explain`` prints is a script: saved and run, it says for each variant what

@@ -77,6 +77,8 @@ def test_following_the_strict_fix_line_fixes_the_whole_maml_step_in_one_round(in
     rules = _fallback_line(str(info.value))
     under_vmap = "CKG003" if rule_by_id("CKG003").holds_on(installed()) else "CKG007"  # the table's rule here
     assert {"CKG001", under_vmap} <= set(rules) and set(rules.values()) == {"fallback"}
+    # rules this call did not trip are named with the reason they are there
+    assert "(CKG001 and the other torch.func rules: one round covers every transform)" in str(info.value)
     ckpt_guard.install("strict", rules=rules)  # the line, followed literally
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
@@ -325,6 +327,7 @@ def test_fallback_warns_once_per_rule_and_call_site_and_records_every_call():
         warned, events = _per_sample_steps(_ThreeLayers(), 2)
         assert [w.message.rule.id for w in warned] == [rule_id], [str(w.message) for w in warned]
         assert "shown once for this call site" in str(warned[0].message)
+        assert "other blocks and later steps included" in str(warned[0].message)  # it names the first block only
         assert len([e for e in events if e.rule_id == rule_id]) == 6
         ckpt_guard.install("fallback")  # a new install: said again, once
         warned_again, _ = _per_sample_steps(_ThreeLayers(), 1)

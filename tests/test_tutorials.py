@@ -290,3 +290,29 @@ def test_maml(entry):
         return [losses.detach(), *(p.grad for p in net.parameters())]
 
     assert_as_the_tutorial(tutorial, entry)
+
+
+def test_mse_loss_under_jvp_of_grad_is_torchs_own_limit_and_the_written_out_loss_works():
+    """docs/limits.md: F.mse_loss under jvp(grad) raises without any checkpoint; the written-out loss
+    runs, and ckpt_guard.checkpoint gives the uncheckpointed Hessian-vector product for it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x, y = torch.randn(6, 4, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
+    tangent = {k: torch.randn_like(v) for k, v in params.items()}
+
+    def hvp(loss_of, ckpt):
+        def loss(p):
+            return loss_of(ckpt(lambda t: functional_call(net, p, (t,)), x), y)
+        return jvp(grad(loss), (params,), (tangent,))[1]
+
+    with pytest.raises(RuntimeError, match="ZeroTensors are immutable"):
+        hvp(F.mse_loss, plain)  # torch's, with no checkpoint anywhere
+    written_out = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+    reference = hvp(written_out, plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt_guard.CheckpointCompositionWarning)
+        got = hvp(written_out, ckpt_guard.checkpoint)
+    assert reference.keys() == got.keys()
+    for name in reference:
+        torch.testing.assert_close(got[name], reference[name])
