@@ -29,7 +29,8 @@ import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _layouts, _proof, _reads, _rebind, _state, _versions
+from . import _composable, _config, _events, _layouts, _proof, _rebind, _state, _versions
+from ._state import block_reads as _reads
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
 from ._rules import _FIX_MOVE, _GRAD_TRANSFORMS, NON_REENTRANT, RNG_RULE as _RNG_RULE, Rule, rules_on
@@ -64,7 +65,7 @@ _OWN_FILES = frozenset(
     os.path.join(_PACKAGE_DIR, name)
     for name in (
         "__init__.py", "_config.py", "_decide.py", "_events.py", "_hooks.py", "_layouts.py", "_patch.py",
-        "_state.py", "_versions.py",
+        "_versions.py", *_state.FILES,
     )
 )
 _TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or "")) + os.sep

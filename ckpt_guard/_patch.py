@@ -55,6 +55,7 @@ import warnings
 from typing import Any, Callable, List
 
 from . import _config, _layouts, _versions
+from ._state import FILES as _STATE_FILES
 
 MIN_TORCH = _versions.MIN_TORCH
 
@@ -297,8 +298,8 @@ def _watch_optimizer_steps() -> None:
 # functional_call and Optimizer.step, code dynamo traces, so it is written to
 # be traced.  Paths as dynamo compares them: POSIX-style, also on Windows.
 _DYNAMO_SKIPPED_FILES = tuple(
-    pathlib.Path(os.path.abspath(__file__)).with_name(name).as_posix()
-    for name in ("_patch.py", "_layouts.py", "_decide.py", "_state.py", "_config.py", "_events.py")
+    (pathlib.Path(os.path.abspath(__file__)).parent / name).as_posix()
+    for name in ("_patch.py", "_layouts.py", "_decide.py", "_config.py", "_events.py", *_STATE_FILES)
 )
 _TRACE_RULES = "torch._dynamo.trace_rules"
 

@@ -52,7 +52,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from . import _reads
+from ._state import block_reads as _reads
 
 Tensor = torch.Tensor
 Module = torch.nn.Module

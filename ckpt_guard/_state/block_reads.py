@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Iterator, List, Tuple
 
+
 import torch
 
 Module = torch.nn.Module

@@ -1,0 +1,46 @@
+"""The torch entry points the readers call, bound once, and the few helpers they all share.
+
+Owns: names bound from torch (an attribute lookup costs on the hot path), the ``_GONE``
+sentinel, ``requires_grad`` seen through functorch wrappers, a tensor's version.
+May not touch: anything stateful; every reader may import from here, this imports none.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.utils.checkpoint  # torch 2.4's `import torch` does not import it
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, peek_interpreter_stack
+from torch.autograd import forward_ad
+
+
+#: torch.utils.checkpoint's globals (set_checkpoint_early_stop's switch lives there)
+_checkpoint = vars(torch.utils.checkpoint)
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_len_function_stack = torch._C._len_torch_function_stack
+saved_tensor_hooks_enabled: Callable[[], bool] = (
+    torch._C._autograd._saved_tensors_hooks_is_enabled
+)
+is_grad_enabled = torch.is_grad_enabled
+Tensor = torch.Tensor
+Module = torch.nn.Module
+_GONE = object()
+_Generator = torch.Generator
+
+
+def _version_of(tensor: Tensor) -> Optional[int]:
+    try:
+        return tensor._version
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def requires_grad_anywhere(t: Tensor) -> bool:
+    """``requires_grad`` seen through functorch wrappers (a vmapped tensor says False)."""
+    while True:
+        if t.requires_grad:
+            return True
+        if not is_functorch_wrapped_tensor(t):
+            return False
+        t = get_unwrapped(t)

@@ -1,0 +1,425 @@
+"""Reader: what a checkpointed block's modules hold (CKG106, CKG110, CKG111).
+
+Owns: the generated block snapshot (one compiled function per module shape: its
+parameters and buffers, its forward hooks, its train/eval flags), the re-bound values
+(CKG110: a parameter or attribute replaced between the forward and the recompute),
+hook changes (CKG111) and train/eval changes (CKG106).  A module the snapshot cannot
+read (TorchScript, a C++ module) gives nothing to compare, never an error.  May not
+touch: the containers the block is given (``contents``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import types
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from .basics import Module, _GONE, _Generator
+
+
+# --------------------------------------------------------------------------
+# what the block reads by reference, re-bound between forward and recompute (CKG110)
+#
+# A meta-optimizer (torchopt's MetaSGD, higher's differentiable optimizers)
+# writes new, non-leaf tensors into a module's ``_parameters`` after the inner
+# forward; a one-shot forward hook (nnsight) is removed after it; a loop
+# rebinds a variable a checkpointed lambda closes over.  The recompute then
+# reads other tensors, or runs other hooks, than the forward did.  The
+# capture keeps what the block reads by reference: the entries of its
+# modules' parameter, buffer and forward-hook dicts (for a module, its bound
+# method, or a partial of either), or the contents of a function's closure
+# cells.  Compared by identity.
+
+
+_TENSOR_STORES = ("_parameters", "_buffers")
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+#: set once a checkpointed block holding an nn.RReLU is seen: until then CKG009 costs one read
+rrelu_seen = [False]
+
+
+class _Structure:
+    """A checkpointed module's shape, walked once per module (a block keeps its shape).
+
+    It holds no module (a weak reference to check the id, the submodules'
+    paths): the guard must never keep a model alive.  ``snapshot(module)`` is
+    generated for the shape and shared by every module of that shape (no loop,
+    no per-module call: it runs on every checkpoint call).  It walks from the
+    module to each submodule by name, as the forward will, and returns
+    ``(copies of each module's parameter and buffer dicts, copies of its
+    forward (pre-)hook dicts or None when there are none, each module's
+    training flag)``, or None when the module no longer has this shape (a
+    submodule added, removed or replaced by one of another shape): the
+    structure is then walked again.
+    """
+
+    __slots__ = ("ref", "paths", "shape", "rrelus", "generators", "snapshot")
+
+    def __init__(self, module: Module) -> None:
+        self.ref = weakref.ref(module)
+        named = _every_path(module)
+        self.paths = tuple(path for path, _ in named)
+        self.rrelus = [weakref.ref(m) for _, m in named if isinstance(m, torch.nn.RReLU)]  # CKG009's
+        if self.rrelus:
+            rrelu_seen[0] = True
+        self.generators = _generator_attributes(module)  # CKG113's
+        # per module: (path, number of children, has parameters, has buffers)
+        shape = self.shape = tuple(
+            (path, len(m._modules), bool(m._parameters), bool(m._buffers)) for path, m in named
+        )
+        self.snapshot = _snapshots.get(shape) or _compile_snapshot(shape)
+
+    def modules(self, module: Module) -> list:
+        """The modules in snapshot order (for messages and replays, not the hot path); [] if the shape changed."""
+        try:
+            return [module.get_submodule(path) for path in self.paths]
+        except AttributeError:
+            return []
+
+    def owners(self, module: Module, hooks: bool) -> list:
+        """``[(module, dict name)]`` in the order of the snapshot's tensor part (or its hook part)."""
+        modules = self.modules(module)
+        if hooks:
+            return [(m, store) for m in modules for store in _HOOK_DICTS]
+        return [
+            (m, store) for m, (_, _, has_parameters, has_buffers) in zip(modules, self.shape)
+            for store, has in (("_parameters", has_parameters), ("_buffers", has_buffers)) if has
+        ]
+
+
+def _every_path(module: Module) -> list:
+    """``named_modules()`` with every path to a shared submodule (each can be re-bound on its own).
+
+    A module graph with a cycle has endless paths: then each module once.
+    """
+    unique = list(module.named_modules())
+    try:
+        every = list(itertools.islice(module.named_modules(remove_duplicate=False), 4 * len(unique) + 64))
+    except RecursionError:
+        return unique
+    return unique if len(every) > 4 * len(unique) + 63 else every
+
+
+# the module's shape -> its generated snapshot
+_snapshots: dict = {}
+
+
+def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
+    # Each module's __dict__ is read once and subscripted: an attribute read on a
+    # module goes through nn.Module's __getattr__ hook, several times slower.  A
+    # parameter or buffer dict empty when the shape was taken is checked to be
+    # empty still (part of the shape), not copied.
+    index = {path: i for i, (path, *_) in enumerate(shape)}
+    walk, same, tensors, hooks, any_hook, flags = [], [], [], [], [], []
+    for i, (path, children, has_parameters, has_buffers) in enumerate(shape):
+        if i:
+            parent, _, name = path.rpartition(".")
+            walk.append(f"        d{i} = d{index[parent]}['_modules'][{name!r}].__dict__\n")
+        same.append(f"len(d{i}['_modules']) == {children}" if children else f"not d{i}['_modules']")
+        for store, has in (("_parameters", has_parameters), ("_buffers", has_buffers)):
+            if has:
+                tensors.append(f"copy(d{i}[{store!r}]), ")
+            else:
+                same.append(f"not d{i}[{store!r}]")
+        hooks.append(f"copy(d{i}['_forward_pre_hooks']), copy(d{i}['_forward_hooks']), ")
+        any_hook.append(f"d{i}['_forward_pre_hooks'] or d{i}['_forward_hooks']")
+        flags.append(f"d{i}['training'], ")
+    source = (
+        "def snapshot(m0):\n"
+        "    try:\n"
+        "        d0 = m0.__dict__\n"
+        f"{''.join(walk)}"
+        f"        if not ({' and '.join(same) or 'True'}):\n"
+        "            return None\n"
+        f"        return ({''.join(tensors)}), (({''.join(hooks)}) if {' or '.join(any_hook)} else None), "
+        f"({''.join(flags)})\n"
+        "    except (KeyError, AttributeError, TypeError):  # a submodule gone or None, or a module unlike\n"
+        "        # nn.Module's (torch.jit.script's dicts are wrappers dict.copy does not take)\n"
+        "        return None\n"
+    )
+    namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
+    # Filed under this file: dynamo skips it (torch 2.4's dynamo, tracing a generated file, fails on dict.copy)
+    exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - from the module's shape
+    if len(_snapshots) >= 1024:
+        _snapshots.clear()
+    snapshot = _snapshots[shape] = namespace["snapshot"]
+    return snapshot
+
+
+def _read_snapshot(module: Module) -> tuple:
+    """What a generated snapshot returns, read plainly (a module its code cannot read, say a property ``training``)."""
+    modules = list(module.modules())
+    hooks = [getattr(m, store) for m in modules for store in _HOOK_DICTS]
+    return (
+        tuple(dict(getattr(m, store)) for m in modules for store in _TENSOR_STORES if getattr(m, store)),
+        tuple(dict(h) for h in hooks) if any(hooks) else None,
+        tuple(bool(m.training) for m in modules),
+    )
+
+
+# id(module) -> its _Structure (whose weak reference tells a new module at the same id)
+_block_structure: dict = {}
+
+
+def _structure(module: Module) -> _Structure:
+    entry = _block_structure.get(id(module))
+    if entry is None or entry.ref() is not module:
+        if len(_block_structure) >= 4096:
+            _block_structure.clear()
+        entry = _block_structure[id(module)] = _Structure(module)
+    return entry
+
+
+def _block_module(function: object) -> object:
+    """The module a call runs (itself, behind a bound method or a partial of either), else the function."""
+    while True:  # the guard's recorder is a partial of a method bound to the user's block
+        if type(function) is functools.partial:
+            function = function.func
+        elif type(function) is _MethodType and isinstance(
+            function.__self__, (Module, types.FunctionType, _MethodType, functools.partial)
+        ):
+            function = function.__self__
+        else:
+            return function
+
+
+_NOTHING = ((), (), None)
+
+
+def block_snapshot(function: object) -> tuple:
+    """What the block reads by reference, its hooks and its modules' train/eval flags, in one read.
+
+    ``(tensors, hooks, training)``: for a module (itself, its bound method, a
+    partial of either) a shallow copy of each of its modules' parameter and
+    buffer dicts, of their forward (pre-)hook dicts (C-level copies: names and
+    values, the cheapest way to keep them), and each module's ``training``;
+    for a function its closure cells' contents, ``()`` and None.  Read on
+    every checkpoint call.  Compared as plain tuples: an entry that is the
+    same object compares equal without looking at it; one that is another
+    tensor cannot be compared (:func:`differs` says so).
+    """
+    kind = type(function)  # _block_module inlined: this runs on every checkpoint call
+    while kind is functools.partial or kind is _MethodType:  # the guard's recorder wraps one in another
+        function = function.func if kind is functools.partial else function.__self__
+        kind = type(function)
+    if isinstance(function, Module):
+        entry = _block_structure.get(id(function))
+        if entry is None or entry.ref() is not function:
+            entry = _structure(function)
+        snapshot = entry.snapshot(function)
+        if snapshot is None:  # its shape changed since it was walked
+            _block_structure.pop(id(function), None)
+            snapshot = _structure(function).snapshot(function)
+            if snapshot is None:
+                try:
+                    return _read_snapshot(function)
+                except Exception:  # noqa: BLE001 - a module the guard cannot read (a C++ one): nothing to compare
+                    return _NOTHING
+        return snapshot
+    if kind is types.FunctionType and function.__closure__:
+        try:
+            return tuple([cell.cell_contents for cell in function.__closure__]), (), None
+        except ValueError:  # an empty cell: a name assigned after the function was made
+            return _NOTHING
+    return _NOTHING
+
+
+def differs(was: object, now: object) -> bool:
+    """``was != now`` for captured state, as Python compares containers: identical entries are equal
+    without a look.  A tensor that is another object is compared by ``==`` (a kernel, on drift
+    only): one of several elements cannot be (so it differs), a one-element one equal in value
+    counts as the same (its recompute computes the same numbers)."""
+    try:
+        return bool(was != now)
+    except Exception:  # noqa: BLE001 - a tensor compared with another: ambiguous, so not the same
+        return True
+
+
+def block_bindings(function: object) -> object:
+    """CKG110's part of :func:`block_snapshot`: the tensors (or closure values) the block reads."""
+    return block_snapshot(function)[0]
+
+
+def block_hooks(function: object) -> object:
+    """CKG111's part of :func:`block_snapshot`: its modules' forward hooks and pre-hooks."""
+    return block_snapshot(function)[1]
+
+
+block_bindings.part_of = (block_snapshot, 0)  # type: ignore[attr-defined]
+block_hooks.part_of = (block_snapshot, 1)  # type: ignore[attr-defined]
+block_bindings.takes_function = block_hooks.takes_function = True  # type: ignore[attr-defined]
+
+
+def rebound(was: object, function: object, hooks: bool = False) -> list:
+    """``[(owner, store, name, forward value)]`` for what differs now from the forward's ``was``.
+
+    ``store``: "cell" (owner a cell), "_parameters" / "_buffers" (a tensor
+    re-bound, deleted, or moved to a plain attribute: the forward value is
+    what to read again), a hook dict's name (name is that too, value the
+    forward's dict), or "new" (an entry the forward did not have: nothing
+    to replay).
+    """
+    block = _block_module(function)
+    if not isinstance(block, Module):
+        cells = getattr(block, "__closure__", None) or ()
+        if len(cells) != len(was):
+            return []
+        return [
+            (cell, "cell", name, old)
+            for cell, name, old in zip(cells, block.__code__.co_freevars, was)
+            if cell.cell_contents is not old
+        ]
+    owners = _structure(block).owners(block, hooks)
+    dicts = [getattr(m, store) for m, store in owners]
+    changes: list = []
+    if was is None:  # the forward ran without any hook
+        was = tuple({} for _ in dicts)
+    if len(dicts) != len(was):
+        return changes
+    for (module, store), forward, current in zip(owners, was, dicts):
+        same = len(forward) == len(current) and all(current.get(k, _GONE) is v for k, v in forward.items())
+        if same:
+            continue
+        if hooks:
+            changes.append((module, store, store, forward))
+            continue
+        changes += [(module, store, name, value) for name, value in forward.items() if current.get(name, _GONE) is not value]
+        changes += [(module, "new", name, _GONE) for name in current if name not in forward]
+    return changes
+
+
+def describe_bindings(value: object) -> str:
+    return "what the block reads by reference" if value else "nothing watched"
+
+
+def describe_rebinding(was: object, now: object, function: object = None) -> str:
+    """CKG110's change line: ``Linear.weight re-bound (another tensor, not updated in place)``."""
+    parts = []
+    for owner, store, name, _ in rebound(was, function):
+        if store == "cell":
+            parts.append(f"the closure variable {name!r} re-bound")
+        elif store == "new":
+            parts.append(f"{type(owner).__name__}.{name} added")
+        else:
+            parts.append(f"{type(owner).__name__}.{name} re-bound (another tensor, not updated in place)")
+    return "; ".join(parts) or "what the block reads changed"
+
+
+def describe_hook_change(was: object, now: object, function: object = None) -> str:
+    """CKG111's change line: ``forward hooks of Linear added or removed``."""
+    parts = [
+        f"{'forward pre-hooks' if store == '_forward_pre_hooks' else 'forward hooks'} of {type(owner).__name__} "
+        "added or removed"
+        for owner, store, _, _ in rebound(was, function, hooks=True)
+    ]
+    return "; ".join(parts) or "the block's hooks changed"
+
+
+block_bindings.describe_change = describe_rebinding  # type: ignore[attr-defined]
+block_hooks.describe_change = describe_hook_change  # type: ignore[attr-defined]
+describe_rebinding.takes_function = describe_hook_change.takes_function = True  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------
+# a user torch.Generator the block draws from (CKG113)
+#
+# torch's checkpoint preserves the default generators (CPU and the device's)
+# for the recompute, never one of the user's: a block that draws from its own
+# generator (``torch.randn(..., generator=g)``, a dropout of its own) draws
+# the next numbers in the recompute.  The capture keeps the state of each
+# user generator the block can reach: given to it (found as CKG112 finds
+# containers, and inside them) or held as an attribute of one of its modules.
+
+#: set once a checkpointed module holding a torch.Generator attribute is walked: until then
+#: CKG113 costs nothing for modules.  The capture reads the block snapshot (which walks a
+#: new module) before this, so a module's first call is seen too.
+module_generators_seen = [False]
+
+
+def _generator_attributes(module: Module) -> list:
+    """``[(path, name)]``: the plain attributes of ``module`` and its submodules that hold a torch.Generator."""
+    found = [
+        (path, name) for path, m in module.named_modules()
+        for name, value in vars(m).items() if type(value) is _Generator
+    ]
+    if found:
+        module_generators_seen[0] = True
+    return found
+
+
+# --------------------------------------------------------------------------
+# train / eval mode of the checkpointed module
+
+_MethodType = type(Module().train)
+
+
+def module_training(function: object) -> Optional[tuple]:
+    """CKG106's part of :func:`block_snapshot`: each of the checkpointed module's modules' ``training``.
+
+    Every submodule's, so that fallback can recompute each in the mode it had
+    (a frozen BatchNorm in eval inside a training model).  ``None`` for other
+    functions: a closure's modules are not looked for on every call.
+    """
+    return block_snapshot(function)[2]
+
+
+module_training.part_of = (block_snapshot, 2)  # type: ignore[attr-defined]
+module_training.takes_function = True  # type: ignore[attr-defined]
+
+# module class -> does its code depend on train/eval mode?  Weak, as above.
+_mode_dependent_classes: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def _class_depends_on_mode(cls: type) -> bool:
+    """Whether a module class behaves differently in train and eval mode.
+
+    Read from its code: a ``forward`` that mentions ``training`` (dropout,
+    batch norm, RNNs with dropout, attention with dropout, and the user's own
+    layers alike), or a ``train()`` of its own.  A class whose source cannot
+    be read counts as dependent.
+    """
+    known = _mode_dependent_classes.get(cls)
+    if known is None:
+        if getattr(cls, "train", Module.train) is not Module.train:
+            known = True
+        else:
+            try:
+                known = "training" in inspect.getsource(cls.forward)
+            except (OSError, TypeError, AttributeError):
+                known = True
+        _mode_dependent_classes[cls] = known
+    return known
+
+
+def _training_relevant(function: object, was: object, now: object) -> bool:
+    """A train/eval switch matters only to a module some part of which behaves differently."""
+    module = function if isinstance(function, Module) else getattr(function, "__self__", None)
+    if not isinstance(module, Module):
+        return True
+    return any(_class_depends_on_mode(type(m)) for m in module.modules())
+
+
+module_training.relevant = _training_relevant  # type: ignore[attr-defined]
+
+
+def describe_training(training: Optional[tuple]) -> str:
+    if training is None:
+        return "not a module"
+    if all(training):
+        return "train mode"
+    if not any(training):
+        return "eval mode"
+    return f"mixed ({sum(training)} of {len(training)} modules in train mode)"
+
+
+def retrained(was: tuple, function: object) -> list:
+    """``[(module, forward flag)]`` for each module whose train/eval mode differs now from ``was``."""
+    block = _block_module(function)
+    modules = _structure(block).modules(block)
+    if len(modules) != len(was):
+        return []
+    return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
