@@ -145,9 +145,9 @@ def checkpoint(
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
         )
-    from . import _decide
+    from . import _entry
 
-    return _decide.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
+    return _entry.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
 
 
 def replayable_mode(cls: type) -> type:

@@ -358,7 +358,7 @@ class Plan:
         #: runs without function modes, so it is re-entered there and in the recompute
         self.default_device: Any = _state.forward_device_context()
         #: called before every recompute; raises for a drift the recompute cannot undo (an
-        #: optimizer step), or returns fallback's replays (a train/eval switch: see ``_decide``)
+        #: optimizer step), or returns fallback's replays (a train/eval switch: see ``_drift``)
         self.check_recompute: Callable[[], Any] = lambda: None
 
     # -- running the block on a given set of input tensors

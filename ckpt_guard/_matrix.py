@@ -156,9 +156,9 @@ def _recompute_counts() -> tuple:
     """(torch's checkpoint recomputes, composable recomputes, derivatives checkpointed in turn) so far."""
     import sys
 
-    decide, composable = sys.modules.get("ckpt_guard._decide"), sys.modules.get("ckpt_guard._composable")
+    drift, composable = sys.modules.get("ckpt_guard._drift"), sys.modules.get("ckpt_guard._composable")
     return (
-        decide.TORCH_RECOMPUTES[0] if decide else 0,
+        drift.TORCH_RECOMPUTES[0] if drift else 0,
         composable.RECOMPUTES if composable else 0,
         composable.NESTED_RECOMPUTES if composable else 0,
     )

@@ -48,14 +48,12 @@ from __future__ import annotations
 
 import inspect
 import os
-import pathlib
 import sys
 import threading
 import warnings
 from typing import Any, Callable, List
 
-from . import _config, _layouts, _versions
-from ._state import FILES as _STATE_FILES
+from . import _config, _files, _layouts, _versions
 
 MIN_TORCH = _versions.MIN_TORCH
 
@@ -142,7 +140,7 @@ class _WarningsProxy:
 
     def warn(self, message: Any, category: Any = None, stacklevel: int = 1, source: Any = None, **kwargs: Any) -> None:
         if isinstance(message, str) and "use_reentrant parameter should be passed explicitly" in message:
-            from ._decide import DEFAULTED_MARK
+            from ._messages import DEFAULTED_MARK
 
             sys._getframe(1).f_locals[DEFAULTED_MARK] = True
         self._real.warn(message, category, stacklevel + 1, source, **kwargs)
@@ -292,15 +290,7 @@ def _watch_optimizer_steps() -> None:
     _set_attr(Optimizer, "_optimizer_step_code", _hooks.note_step)
 
 
-# The guard's code that runs inside a checkpoint call, and the bookkeeping
-# behind its hooks.  Dynamo must never trace it, just as it never traces
-# torch's own checkpoint internals.  Not _hooks.py: it runs inside
-# functional_call and Optimizer.step, code dynamo traces, so it is written to
-# be traced.  Paths as dynamo compares them: POSIX-style, also on Windows.
-_DYNAMO_SKIPPED_FILES = tuple(
-    (pathlib.Path(os.path.abspath(__file__)).parent / name).as_posix()
-    for name in ("_patch.py", "_layouts.py", "_decide.py", "_config.py", "_events.py", *_STATE_FILES)
-)
+_DYNAMO_SKIPPED_FILES = _files.DYNAMO_SKIPPED  # the guard's code dynamo must never trace (see _files)
 _TRACE_RULES = "torch._dynamo.trace_rules"
 
 

@@ -16,7 +16,7 @@ pieces such as a mode class rather than share helpers.
 
 Adding a rule means adding one record (and its probe) below.  If it reads
 state the table has never read, extend ``CallState`` / ``call_is_quiet`` in
-``_state.py`` too.
+``_state/call.py`` too (a recompute-time read: a reader in ``_state/``, named by the record).
 
 This module does not import torch at import time (``import ckpt_guard`` and the
 configuration check need the rule ids without torch); predicates, readers and

@@ -112,7 +112,7 @@ class _KeyErrorOnAttributes:
 def test_a_callable_whose_getattr_raises_is_not_the_guards_problem(policy):
     block = torch.nn.Linear(3, 3)
     function = _KeyErrorOnAttributes(block)
-    from ckpt_guard import _reads
+    from ckpt_guard._state import block_reads as _reads
 
     complete = _reads.reads_of(function).complete()  # looked into, __getattr__ and all
     assert complete.partial == (block,) and not complete.unseen
@@ -306,7 +306,7 @@ def test_user_mode_classes_are_not_kept_alive():
 
 def test_generated_code_is_not_kept_alive():
     """exec'd (or torch.fx-made) functions that checkpoint: the call-site caches stay bounded."""
-    from ckpt_guard import _decide
+    from ckpt_guard import _messages
 
     w = torch.randn(3, requires_grad=True)
     refs = []
@@ -320,7 +320,7 @@ def test_generated_code_is_not_kept_alive():
         del step, namespace
     gc.collect()
     alive = sum(ref() is not None for ref in refs)
-    assert alive <= _decide._CACHE_LIMIT, alive
+    assert alive <= _messages._CACHE_LIMIT, alive
     ckpt_guard.uninstall()
     gc.collect()
     assert sum(ref() is not None for ref in refs) == 0

@@ -33,7 +33,7 @@ Reading all of it costs a few microseconds, so the patch points first ask
 :func:`call_is_quiet`, a handful of ~50 ns queries that prove no call-time rule
 can fire; only a non-quiet call pays for the full reading.
 
-*Recompute time* (``_decide.capture``): a tuple with one value per drift rule,
+*Recompute time* (``_drift.capture``): a tuple with one value per drift rule,
 read in the forward and again when the recompute starts.  A reader may carry
 an ``active`` attribute, a builtin query that is falsy when its state is empty,
 so the capture can skip the Python call on the usual quiet path.  torch's own
@@ -54,15 +54,6 @@ optimizer cannot).
 """
 
 from __future__ import annotations
-
-import os
-
-#: this package's files, relative to ckpt_guard's folder: the guard's own code (call-site
-#: walks step over it, dynamo skips it)
-FILES = tuple(
-    os.path.join("_state", name) for name in sorted(os.listdir(os.path.dirname(os.path.abspath(__file__))))
-    if name.endswith(".py")
-)
 
 from .basics import (  # noqa: F401
     forward_ad,

@@ -21,7 +21,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext, _device_constructors
 
 from . import block_reads as _reads
-from .basics import Module, Tensor, _checkpoint, _len_function_stack, _version_of, is_grad_enabled, requires_grad_anywhere, saved_tensor_hooks_enabled
+from .basics import (
+    Module, Tensor, _checkpoint, _len_function_stack, _version_of, is_grad_enabled, requires_grad_anywhere,
+    saved_tensor_hooks_enabled,
+)
 from .modes import _infrastructure_classes
 from .modules import _block_module, _block_structure, _mode_dependent_classes, _snapshots, _structure
 from .transforms import transform_stack

@@ -23,7 +23,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from . import block_reads as _reads
 from .basics import Tensor, _GONE, _version_of, requires_grad_anywhere
-from .contents import _ATOMS, _CONTENTS_BUDGET, _cell_contents, _count, _full, _generator_states, _immutable, _is_long, _object_state, _same_value, _shallow, _stateless, changed_at_all, contents_snapshot, moved_generators, replaying_contents, replaying_generators, restore_contents
+from .contents import (
+    _ATOMS, _CONTENTS_BUDGET, _cell_contents, _count, _full, _generator_states, _immutable, _is_long,
+    _object_state, _same_value, _shallow, _stateless, changed_at_all, contents_snapshot, moved_generators,
+    replaying_contents, replaying_generators, restore_contents,
+)
 
 
 def describe_modes(modes: tuple[type, ...]) -> str:

@@ -1,0 +1,229 @@
+"""``ckpt_guard.checkpoint``: torch's non-reentrant checkpoint, or the composable recompute."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import types
+from typing import Any, Optional
+
+import torch as _torch
+import torch.utils.checkpoint as _torch_checkpoint
+
+from . import _composable, _config, _events, _proof, _state
+from ._actions import NO_CHECKPOINT
+from ._decide import (
+    _OUTCOME_TEXT, _forward_ad, _peek_interpreter_stack, _scoped_config, _watch_composable_recompute,
+    _where, decide_call, forward_context_of,
+)
+from ._drift import _Tensor, _report_at_recompute
+from ._exceptions import CheckpointCompositionError
+from ._messages import _warn, build_message, describe_site, describe_variant, user_frame
+from ._rules import DRIFT_RULES
+from ._rules import Rule
+from ._state import block_reads as _reads
+
+
+def _swapped_parameters(function: Any, args: tuple = ()) -> bool:
+    """Whether a module ``function`` reads (or is passed) holds a parameter that is not an ``nn.Parameter``.
+
+    On every eager ``ckpt_guard.checkpoint`` call: about 4 µs for a transformer layer
+    (``type(...) is`` first; ``isinstance`` on a Parameter goes through a metaclass).
+    """
+    stack = [*_reads.reads_of(function).complete().modules, *(a for a in args if isinstance(a, _torch.nn.Module))]
+    while stack:
+        module = stack.pop()
+        if module is None:
+            continue
+        for tensor in module._parameters.values():
+            if type(tensor) is not _Parameter and tensor is not None and not isinstance(tensor, _Parameter):
+                return True
+        stack.extend(module._modules.values())
+    return False
+
+
+_Parameter = _torch.nn.Parameter
+#: keywords torch's checkpoint takes for itself on this release (the rest go to the function)
+_TORCH_OPTIONS = frozenset(
+    name for name, parameter in inspect.signature(_torch_checkpoint.checkpoint).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY
+)
+
+
+def _untracked_swap(
+    function: Any, args: tuple, kwargs: dict, block_kwargs: dict, options: dict, config: _config.Config,
+    context_fn: Any, reason: str,
+) -> Any:
+    """CKG101 for ``ckpt_guard.checkpoint`` outside transforms, under a swap the guard did not track.
+
+    The composable recompute refused the block, and the choke points cannot
+    see this swap (no ``install()``, or a swap made without
+    ``functional_call``).  Whether torch's recompute reads the swapped-in
+    tensors depends on whether the swap still holds then (higher's patched
+    modules keep their fast weights; a ``functional_call`` ends): so strict
+    and warn run torch's checkpoint (early stop off) with the tensors needing
+    a gradient that the block reads from outside recorded, and act at the
+    recompute if it reads other ones than the forward; fallback runs the block
+    without checkpointing (nothing could repair a recompute that reads other
+    tensors).
+    """
+    rule = _SWAP_RULE
+    policy = config.policy_for(rule.id)
+    if policy == "off":
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    site_frame, _ = user_frame(sys._getframe(2))
+    site = describe_site(site_frame)
+    details = dict(
+        variant=describe_variant(False, False), source=config.source, **_where(function, (), site_frame),
+    )
+    refused = "\n  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(reason)
+    if policy == "fallback":
+        _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
+        _warn(build_message(
+            rule, site=site, policy=policy, anticipated=True, worked=True,
+            action="ran it without checkpointing (policy fallback)", **details,
+        ) + refused, rule, once="no checkpoint")
+        with forward_context_of(context_fn) or contextlib.nullcontext():
+            return function(*args, **block_kwargs)
+    given = [a for a in (*args, *kwargs.values()) if isinstance(a, _Tensor)]
+    recorder = _RecordedReads(given, rule, policy, site, details, refused)
+    # Handed to torch as ``partial(recorder's method bound to function)``: the guard's own snapshot
+    # (CKG106/110/111, when installed) still finds the user's module or function behind it.
+    recorded = functools.partial(types.MethodType(_run_recorded, function), recorder)
+    # Early stop off: the recompute runs to its end, so it reads everything the forward read
+    with _torch_checkpoint.set_checkpoint_early_stop(False):
+        return _torch_checkpoint.checkpoint(recorded, *args, **options, **kwargs)
+
+
+def _refused_under_swap(function: Any, config: _config.Config, reason: str) -> None:
+    """CKG101 for ``ckpt_guard.checkpoint`` outside transforms, under a swap, refused after the block ran.
+
+    The block ran once, plainly, with the swapped-in tensors: that is right,
+    and it is the call's result.  Every policy but off says so, strict too:
+    nothing wrong is returned, and whether torch's own recompute would have
+    read other tensors depends on the swap holding then (higher's patched
+    modules keep their fast weights), which nothing here can tell.
+    """
+    rule = _SWAP_RULE
+    policy = config.policy_for(rule.id)
+    if policy == "off":
+        return
+    site_frame, _ = user_frame(sys._getframe(2))
+    site = describe_site(site_frame)
+    details = dict(
+        variant="ckpt_guard.checkpoint, run without checkpointing (see the next line)", source=config.source,
+        **_where(function, (), site_frame),
+    )
+    refused = "\n  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(reason)
+    _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
+    _warn(build_message(
+        rule, site=site, policy=policy, anticipated=True, worked=True,
+        action=f"ran it once without checkpointing (policy {policy}): that run is the result", **details,
+    ) + refused, rule, once="ran once" if policy == "fallback" else "")
+
+
+class _RecordedReads:
+    """What :func:`_untracked_swap` compares: the tensors needing a gradient the forward read from outside."""
+
+    def __init__(self, given: list, rule: Rule, policy: str, site: str, details: dict, refused: str) -> None:
+        self.given, self.rule, self.policy, self.site, self.details = given, rule, policy, site, details
+        self.refused = refused
+        self.forward: Optional[dict] = None  # id -> tensor
+
+    def compare(self, recompute: dict) -> None:
+        forward = self.forward or {}
+        other = [t for key, t in recompute.items() if forward.get(key) is not t]
+        missing = [t for key, t in forward.items() if recompute.get(key) is not t]
+        if not other and not missing:
+            return
+        parts = [f"read {len(other)} tensor(s) needing a gradient that the forward did not"] if other else []
+        if missing:
+            parts.append(f"did not read {len(missing)} that the forward read")
+        first = (other or missing)[0]
+        change = f"the recompute {' and '.join(parts)} (the first of shape {tuple(first.shape)}): the swap had ended"
+        try:  # warn says so (torch's recompute ran); strict raises before the backward uses it
+            _report_at_recompute(
+                self.rule, self.policy, self.site, when="in torch's recompute, before the backward used it",
+                site=self.site, forward_site=self.site, change=change, **self.details,
+            )
+        except CheckpointCompositionError as exc:
+            raise CheckpointCompositionError(f"{exc}{self.refused}", self.rule) from None
+
+
+def _run_recorded(function: Any, recorder: _RecordedReads, *args: Any, **kwargs: Any) -> Any:
+    """The block, its outside reads recorded: the forward's kept, the recompute's compared with them."""
+    reads = _proof.CapturedReads(recorder.given)
+    with reads:
+        output = function(*args, **kwargs)
+    if recorder.forward is None:
+        recorder.forward = reads.captured
+    else:
+        recorder.compare(reads.captured)
+    return output
+
+
+_SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")
+
+
+def public_checkpoint(
+    function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool,
+) -> Any:
+    """``ckpt_guard.checkpoint``: torch's non-reentrant checkpoint, or the composable recompute.
+
+    Outside torch.func transforms (and forward-mode AD): torch's own
+    ``checkpoint(use_reentrant=False)`` (guarded as any call, if installed),
+    unless a ``functional_call`` swap is active (as in MAML's outer loss):
+    torch's recompute would run after the swap ended and read the module's
+    own parameters (CKG101), the composable one binds what the forward read.
+    Installed, the guard tracks swaps; without it, a swap shows as a module
+    parameter that is not an ``nn.Parameter`` (a swap that puts in another
+    model's parameters is not seen then).  Under a transform: the composable
+    recompute, where it is correct.
+    Elsewhere the rule that explains why is applied under the policy in force:
+    the scope's, else the installed one, else the environment's (default
+    strict), whether or not the guard is installed.
+    """
+    scoped = _scoped_config()
+    if scoped is not None and scoped.plain:  # inside a recompute: the outer one recomputes this too
+        return function(*args, **{k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS})
+    options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
+    if context_fn is not None:
+        options["context_fn"] = context_fn
+    eager = _peek_interpreter_stack() is None and _forward_ad._current_level < 0
+    # a swap: seen by the guard's functional_call tracking when installed (any swap active on this
+    # thread: the block may reach a swapped module any way), else by its traces
+    if eager and not (_state.swaps_active_here() or _swapped_parameters(function, args)):
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    installed = _config._installed  # install("off") is a policy in force, not the absence of one
+    config = scoped or (installed if installed.active or installed.source != "default" else None)
+    if config is None:
+        config = _config.from_environment()
+    # torch's own options (determinism_check, debug, ...) are for torch's checkpoint, not the block
+    block_kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
+    built = _composable.plan(function, args, block_kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
+    if not isinstance(built, str):
+        site_frame, _ = user_frame(sys._getframe(1))
+        _watch_composable_recompute(built, False, config, site_frame)
+        try:
+            return _composable.run(built)
+        except _composable.Refused as refused:  # the run-time proof: decided below, as a plan refusal
+            if refused.ran:
+                # the block ran once, plainly, as the caller wrote it: that is the result (strict
+                # raises the rule's explanation; warn and fallback say so and keep it)
+                if eager:
+                    _refused_under_swap(function, config, refused.reason)
+                else:
+                    decide_call(False, function, args, config, refused=refused.reason, ran=True)
+                return refused.output
+            built = refused.reason
+    if eager:
+        if _state.swaps_active_here():  # torch's checkpoint, guarded as any call: the guard sees this swap
+            return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+        return _untracked_swap(function, args, kwargs, block_kwargs, options, config, context_fn, built)
+    outcome = decide_call(False, function, args, config, refused=built)  # strict raises the rule's explanation
+    if outcome == NO_CHECKPOINT:  # fallback: plainly, inside the user's forward context
+        with forward_context_of(context_fn) or contextlib.nullcontext():
+            return function(*args, **block_kwargs)
+    return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
