@@ -5,7 +5,7 @@
 
 One process, one thread.  Each round times a batch of ``grad`` steps through
 ``ckpt_guard.checkpoint`` with the proof (as it always runs) and a batch with
-it switched off (``_composable.PROOF = False``, a switch for this measurement
+it switched off (``_composable.counters.PROOF = False``, a switch for this measurement
 only), in alternating order, and prints per-block medians, the median of the
 per-round ratios with its interquartile range, and the µs the proof adds per
 checkpointed block.  Outside transforms ``ckpt_guard.checkpoint`` is torch's own
@@ -82,9 +82,9 @@ def main(argv=None) -> int:
             order = (True, False) if r % 2 == 0 else (False, True)
             times = {}
             for proof in order:
-                _composable.PROOF = proof
+                _composable.counters.PROOF = proof
                 times[proof] = timed(step, iters) / (iters * blocks) * 1e6
-            _composable.PROOF = True
+            _composable.counters.PROOF = True
             with_proof.append(times[True])
             without.append(times[False])
             ratios.append(times[True] / times[False])

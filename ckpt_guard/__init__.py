@@ -145,7 +145,7 @@ def checkpoint(
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
         )
-    from . import _entry
+    from ._composable import entry as _entry
 
     return _entry.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
 

@@ -24,7 +24,8 @@ from typing import Any, Optional
 import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _rebind, _state
+from . import _composable, _config, _events, _state
+from ._composable import binding as _rebind
 from ._actions import NO_CHECKPOINT, PROCEED, _DRIFT_HOLDS, _DRIFT_NON_REENTRANT
 from ._exceptions import CheckpointCompositionError
 from ._messages import (

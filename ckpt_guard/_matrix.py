@@ -159,8 +159,8 @@ def _recompute_counts() -> tuple:
     drift, composable = sys.modules.get("ckpt_guard._drift"), sys.modules.get("ckpt_guard._composable")
     return (
         drift.TORCH_RECOMPUTES[0] if drift else 0,
-        composable.RECOMPUTES if composable else 0,
-        composable.NESTED_RECOMPUTES if composable else 0,
+        composable.counters.RECOMPUTES if composable else 0,
+        composable.counters.NESTED_RECOMPUTES if composable else 0,
     )
 
 

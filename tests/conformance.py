@@ -649,7 +649,7 @@ def run_cell(cell: Cell) -> Outcome:
             reference, reference_runs = _execute(cell, _plain)
     except Exception as exc:  # noqa: BLE001 - the plain code raises: the guarded run must not return numbers
         reference, reference_error = None, exc
-    before = _composable.RECOMPUTES, _composable.PACKED
+    before = _composable.counters.RECOMPUTES, _composable.counters.PACKED
     ckpt_guard.install(policy, rules={})
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -678,7 +678,7 @@ def run_cell(cell: Cell) -> Outcome:
         return Outcome("WRONG", wrong)
     # the forward kept no activations: packed into the recompute (which ran, if a backward did),
     # or torch's own checkpoint recomputed
-    recomputed = runs > reference_runs or (_composable.RECOMPUTES, _composable.PACKED) != before
+    recomputed = runs > reference_runs or (_composable.counters.RECOMPUTES, _composable.counters.PACKED) != before
     if recomputed:
         return Outcome("checkpointed")
     words = " ".join(str(w.message) for w in caught if issubclass(w.category, ckpt_guard.CheckpointCompositionWarning))

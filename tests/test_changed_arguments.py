@@ -325,12 +325,12 @@ def test_the_composable_recompute_keeps_a_block_that_grows_its_cache(kind, fille
     kind = "list" if attribute else kind
     reference = _grad_step(False, kind, filled, attribute)
     for policy in ("strict", "fallback"):
-        before = _composable.RECOMPUTES
+        before = _composable.counters.RECOMPUTES
         with ckpt_guard.policy(policy), warnings.catch_warnings():
             warnings.simplefilter("error", CheckpointCompositionWarning)  # nothing to say
             got = _grad_step(True, kind, filled, attribute)
         assert_all_close(got, reference)  # the gradients, and the cache grown once
-        assert _composable.RECOMPUTES == before + 1
+        assert _composable.counters.RECOMPUTES == before + 1
 
 
 def test_the_composable_recompute_keeps_a_block_that_only_reads_its_container():
@@ -344,9 +344,9 @@ def test_the_composable_recompute_keeps_a_block_that_only_reads_its_container():
         return ckpt(block, x, [w]).sum()
 
     reference = torch.func.grad(loss)(w, lambda f, *a: f(*a))
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     got = torch.func.grad(loss)(w, ckpt_guard.checkpoint)
-    assert _composable.RECOMPUTES == before + 1  # recomputed: the memory saving is kept
+    assert _composable.counters.RECOMPUTES == before + 1  # recomputed: the memory saving is kept
     torch.testing.assert_close(got, reference)
 
 
@@ -523,10 +523,10 @@ def test_the_composable_recompute_replays_a_log_and_a_counter_and_keeps_the_savi
     reference = torch.func.grad(loss)(params, reference_counter, False)
     module.maps.clear()
     counter = types.SimpleNamespace(calls=0)
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     with ckpt_guard.policy("strict"):
         got = torch.func.grad(loss)(params, counter, True)
-    assert _composable.RECOMPUTES == before + 1
+    assert _composable.counters.RECOMPUTES == before + 1
     torch.testing.assert_close(got, reference)
     assert counter.calls == reference_counter.calls == 1 and len(module.maps) == 1
 

@@ -106,9 +106,9 @@ def test_public_checkpoint_lifts_a_tensor_held_in_a_list():
         block = lambda t: (t * held[0]).sin()  # noqa: E731
         return (ckpt_guard.checkpoint(block, x) if checkpointed else block(x)).sum()
 
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     got = grad(loss)(w)
-    assert _composable.RECOMPUTES > before
+    assert _composable.counters.RECOMPUTES > before
     torch.testing.assert_close(got, grad(lambda v: loss(v, checkpointed=False))(w))
 
 
@@ -214,10 +214,10 @@ def test_closure_tensors_are_lifted(name):
     """The tensor a closure holds is an input of the recompute: its gradient is the reference's."""
     transform = _CLOSURE_TRANSFORMS[name]
     reference = transform(_closure_loss(False))
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     torch.testing.assert_close(transform(_closure_loss(True)), reference)
     if name != "jvp":  # reverse mode differentiated the block: by recomputing it
-        assert _composable.RECOMPUTES > before
+        assert _composable.counters.RECOMPUTES > before
 
 
 def test_batched_closure_tensor_under_vmap_grad():
@@ -285,14 +285,14 @@ def test_fallback_composable_keeps_the_memory_saving_at_every_order():
     def loss(p, t):
         return functional_call(model, p, (t,))
 
-    before = (_composable.RECOMPUTES, _composable.NESTED_RECOMPUTES)
+    before = (_composable.counters.RECOMPUTES, _composable.counters.NESTED_RECOMPUTES)
     with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="keeps the memory saving"):
         grad(loss)(params, x)
-    assert _composable.RECOMPUTES == before[0] + 1 and _composable.NESTED_RECOMPUTES == before[1]
+    assert _composable.counters.RECOMPUTES == before[0] + 1 and _composable.counters.NESTED_RECOMPUTES == before[1]
     # grad of grad: the backward is differentiated again, so it is checkpointed in turn
     with ckpt_guard.policy("fallback"), pytest.warns(CheckpointCompositionWarning, match="keeps the memory saving"):
         grad(lambda t: grad(lambda u: loss(params, u))(t).sum())(x)
-    assert _composable.NESTED_RECOMPUTES > before[1]
+    assert _composable.counters.NESTED_RECOMPUTES > before[1]
 
 
 class _Wrapped(torch.nn.Module):
@@ -736,10 +736,10 @@ def test_public_checkpoint_without_a_swap_is_torchs():
     """No swap, no transform: torch's own non-reentrant checkpoint runs (bitwise), not the recompute here."""
     block = _block()
     x = torch.randn(4, 3, requires_grad=True)
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     ckpt_guard.checkpoint(block, x).pow(2).sum().backward()
     got = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
-    assert _composable.RECOMPUTES == before
+    assert _composable.counters.RECOMPUTES == before
     x.grad = None
     block.zero_grad(set_to_none=True)
     checkpoint(block, x, use_reentrant=False).pow(2).sum().backward()
@@ -828,11 +828,11 @@ def test_callable_objects_are_looked_into(how):
 
         return vmap(grad(loss), in_dims=(None, 0))(params, xs)
 
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     with ckpt_guard.policy("strict" if how == "ckpt_guard.checkpoint" else "fallback"), warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
         got = per_sample(True)
-    assert _composable.RECOMPUTES > before
+    assert _composable.counters.RECOMPUTES > before
     torch.testing.assert_close(got, per_sample(False))
 
 
@@ -870,10 +870,10 @@ def test_a_lifted_closure_tensor_reachable_another_way_is_lifted_there_too(other
         return (ckpt_guard.checkpoint(block, x) if checkpointed else block(x)).sum()
 
     w = torch.randn(3, 3)
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     with ckpt_guard.policy("strict"):
         got = grad(loss)(w)
-    assert _composable.RECOMPUTES > before
+    assert _composable.counters.RECOMPUTES > before
     torch.testing.assert_close(got, grad(lambda v: loss(v, checkpointed=False))(w))
 
 

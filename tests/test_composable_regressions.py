@@ -53,7 +53,7 @@ def assert_right(program, entry, refusable=False, recomputed=None):
     """``program(ckpt)`` equals ``program(plain)``; strict may refuse (if ``refusable``)."""
     torch.manual_seed(0)
     reference = _leaves(program(plain))
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     torch.manual_seed(0)
     try:
         got = run(program, entry)
@@ -65,7 +65,7 @@ def assert_right(program, entry, refusable=False, recomputed=None):
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r)
     if recomputed is not None:
-        assert (_composable.RECOMPUTES > before) == recomputed
+        assert (_composable.counters.RECOMPUTES > before) == recomputed
     return got
 
 

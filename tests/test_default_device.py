@@ -181,9 +181,9 @@ def test_composable_recompute_re_enters_the_forward_device_context():
     with torch.device("meta"):
         out, pullback = vjp(lambda t: ckpt_guard.checkpoint(block, t), x)
         _, plain_pullback = vjp(block, x)
-    recomputes = _composable.RECOMPUTES
+    recomputes = _composable.counters.RECOMPUTES
     (grad_x,) = pullback(torch.ones_like(out))
-    assert _composable.RECOMPUTES == recomputes + 1  # it ran (on the CPU it could not mix with the meta output)
+    assert _composable.counters.RECOMPUTES == recomputes + 1  # it ran (on the CPU it could not mix with the meta output)
     # forward, the plain forward; the recompute's own entry is undone after it, as every change to a
     # list the block is given (what the block does to it happens once, as without checkpointing)
     assert seen == ["meta", "meta"]

@@ -47,7 +47,7 @@ def assert_as_the_tutorial(tutorial, entry, recomputed=True):
     torch.manual_seed(0)
     reference = _leaves(tutorial(plain))
     policy, ckpt = ENTRIES[entry]
-    before = _composable.RECOMPUTES
+    before = _composable.counters.RECOMPUTES
     ckpt_guard.install(policy, rules={})
     try:
         with warnings.catch_warnings():
@@ -60,7 +60,7 @@ def assert_as_the_tutorial(tutorial, entry, recomputed=True):
     assert len(got) == len(reference)
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r)
-    assert (_composable.RECOMPUTES > before) == recomputed
+    assert (_composable.counters.RECOMPUTES > before) == recomputed
 
 
 class SimpleCNN(nn.Module):

@@ -106,7 +106,7 @@ class SwappedReads:
     def __init__(self, reads: tuple, swaps: tuple, unseen: bool) -> None:
         # (path, owner, store name, name, weakref to the tensor, origin)
         self.reads, self.swaps = reads, swaps
-        #: the block may read module tensors the guard cannot see (see _reads)
+        #: the block may read module tensors the guard cannot see (see block_reads)
         self.unseen = unseen
 
     def differences(self) -> list:

@@ -12,18 +12,19 @@ from typing import Any, Optional
 import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _proof, _state
-from ._actions import NO_CHECKPOINT
-from ._decide import (
+from .. import _composable, _config, _events, _state
+from . import proof as _proof
+from .._actions import NO_CHECKPOINT
+from .._decide import (
     _OUTCOME_TEXT, _forward_ad, _peek_interpreter_stack, _scoped_config, _watch_composable_recompute,
     _where, decide_call, forward_context_of,
 )
-from ._drift import _Tensor, _report_at_recompute
-from ._exceptions import CheckpointCompositionError
-from ._messages import _warn, build_message, describe_site, describe_variant, user_frame
-from ._rules import DRIFT_RULES
-from ._rules import Rule
-from ._state import block_reads as _reads
+from .._drift import _Tensor, _report_at_recompute
+from .._exceptions import CheckpointCompositionError
+from .._messages import _warn, build_message, describe_site, describe_variant, user_frame
+from .._rules import DRIFT_RULES
+from .._rules import Rule
+from .._state import block_reads as _reads
 
 
 def _swapped_parameters(function: Any, args: tuple = ()) -> bool:

@@ -13,7 +13,7 @@ in their place, without anything another thread could see:
   partials, containers, dataclass fields, objects' attributes).  Globals,
   class attributes and module namespaces cannot be rebuilt: a tensor that
   needs a gradient and is read only through one of those is caught by the
-  run-time proof (``_proof``), never read as a constant.
+  run-time proof (``proof``), never read as a constant.
 
 * **Functions and containers are rebuilt, never mutated** (:func:`rebuild`):
   a closure gets a copy with new cells, a ``partial``, a bound method, a
@@ -52,7 +52,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._state import block_reads as _reads
+from .._state import block_reads as _reads
 
 Tensor = torch.Tensor
 Module = torch.nn.Module

@@ -52,7 +52,7 @@ from torch._C._functorch import get_unwrapped as _get_unwrapped, is_batchedtenso
 from torch._C._functorch import maybe_get_level as _maybe_get_level
 from torch.overrides import TorchFunctionMode
 
-from ._state import is_user_generator
+from .._state import is_user_generator
 
 Tensor = torch.Tensor
 

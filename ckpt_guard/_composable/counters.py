@@ -1,0 +1,22 @@
+"""What the composable recompute has done so far, for the matrix and the benchmarks.
+
+Read, never reset, by ``tests/conformance.py`` and ``ckpt_guard._matrix`` (a recompute
+means the forward did not keep the block's activations); ``PROOF`` is the one switch,
+for ``benchmarks/proof.py`` alone.
+"""
+
+from __future__ import annotations
+
+
+
+#: Recomputes of blocks run so far, and derivatives checkpointed in turn (a backward or
+#: tangents that something differentiated again).  The matrix reads them: a recompute
+#: means the block's activations were not kept by the forward.
+RECOMPUTES = 0
+NESTED_RECOMPUTES = 0
+#: Calls packed into the recompute (their plain run's activations dropped) so far
+PACKED = 0
+
+#: The run-time proof runs on every first forward.  ``benchmarks/proof.py`` switches it off
+#: to measure what it costs; nothing else may (without it a wrong gradient goes unnoticed).
+PROOF = True

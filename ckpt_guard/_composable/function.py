@@ -1,0 +1,413 @@
+"""The recompute as an ``autograd.Function`` torch.func can transform: its rules per transform.
+
+``_Recompute``'s ``forward`` hands on the plain run's outputs; ``backward`` recomputes
+the block and takes its vjp, itself a checkpointed recompute (:class:`_Derivative`)
+where something will differentiate it again; ``jvp`` recomputes under a jvp of its own;
+``vmap`` batches the checkpoint (:class:`_Batched`) instead of unrolling it.  Applied
+level by level by ``levels.apply``.  Owns: those rules, reading which functorch levels
+are alive, the global module hooks a recompute runs under.  May not touch: planning
+a call (``plan``, ``call``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch._C._functorch import _unwrap_for_grad, _wrap_for_grad, is_batchedtensor, maybe_get_level
+from torch._C._functorch import current_level as _current_level
+from torch._C._functorch import CGradInterpreterPtr as _CGradInterpreterPtr
+from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
+from torch._functorch import pyfunctorch
+from torch._functorch.eager_transforms import enable_inplace_requires_grad as _enable_inplace_requires_grad
+from torch._functorch.eager_transforms import _jvp_with_argnums
+from torch._functorch.eager_transforms import grad_increment_nesting as _grad_increment_nesting
+
+from . import levels as _levels
+from . import counters
+from .. import _state
+from .basics import Tensor, _base, _differentiable_dtype
+from .plan import Plan
+from .replay import _forward_mode_alive, _vmap_level_of_rule
+
+
+class _Derivative:
+    """The vjp (``"vjp"``) or the tangents (``"jvp"``) of a plan, as a block of its own.
+
+    Its inputs: all the base's inputs, then the cotangents present (vjp) or the
+    tangents of the ``wanted`` inputs (jvp).  Checkpointed like any block, so a
+    derivative that is differentiated again keeps its inputs, not its activations.
+    """
+
+    def __init__(self, base: Any, kind: str, wanted: List[int], present: Sequence[bool]) -> None:
+        self.base, self.kind, self.wanted, self.present = base, kind, wanted, list(present)
+        self.output_kept: List[bool] = []
+        self.n_inputs = sys.maxsize  # all its operands are inputs: it computes its outputs
+
+    def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
+        primals, extra = self.base.for_recompute(tensors[:n]), tensors[n:]
+        with self.base.replay():
+            if self.kind == "jvp":
+                return _jvp(self.base, primals, self.wanted, extra)
+            outputs, pullback = _vjp(self.base, primals, self.wanted)
+            given = iter(extra)
+            cotangents = tuple(next(given) if p else torch.zeros_like(o) for p, o in zip(self.present, outputs))
+            return tuple(pullback(cotangents))
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        if self.n_inputs < len(tensors):  # the plain run's tangents, handed in (see _Recompute.jvp)
+            outputs = tuple(t.detach() for t in tensors[self.n_inputs:])
+            self.output_kept = [_differentiable_dtype(o) for o in outputs]
+            return outputs
+        counters.NESTED_RECOMPUTES += 1
+        with torch.no_grad():  # torch.func's transforms inside ignore it; no eager graph is kept
+            outputs = self._function(tensors)
+        self.output_kept = [_differentiable_dtype(o) for o in outputs]
+        passed = {id(t) for t in tensors}
+        return tuple(o.clone() if id(o) in passed else o.detach() for o in outputs)
+
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return self._function(tensors)
+
+    def replay(self) -> Any:
+        return contextlib.nullcontext()  # its function replays the base
+
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return tuple(tensors)  # its function asks the base
+
+    def differentiable_outputs(self) -> List[bool]:
+        return self.output_kept
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]:
+        extra = sum(self.present) if self.kind == "vjp" else len(self.wanted)
+        return [*self.base.differentiable_inputs(forward), *([True] * extra)]
+
+
+class _Batched:
+    """A node vmapped: the block under ``torch.vmap``, checkpointed whole (vmap of a checkpoint).
+
+    Over a plan, its forward hands on the plain run's outputs (batched where
+    ``precomputed_dims`` says); its recompute runs the block under
+    ``torch.vmap`` with the level's randomness.
+    """
+
+    def __init__(
+        self, base: Any, in_dims: Sequence[Optional[int]], randomness: str, batch_size: int = 0,
+        precomputed_dims: Sequence[Optional[int]] = (),
+    ) -> None:
+        self.base, self.in_dims, self.batch_size = base, tuple(in_dims), batch_size
+        self.n_inputs = base.n_inputs
+        if (
+            isinstance(base, _Derivative) and all(d is None for d in self.in_dims[: _primal_count(base, in_dims)])
+            and not _root(base).ran_under(_vmap_level_of_rule(), batch_size, randomness)
+        ):
+            # a derivative vmapped over its cotangents / tangents alone, under a vmap the forward did
+            # not run under (jacrev's, over the pullback): its block's random draws replay an
+            # unbatched forward, so they are drawn unbatched too (under jacfwd's vmap the plain
+            # run drew them as that vmap's randomness says: they are drawn so again)
+            randomness = "same"
+        self.randomness = randomness
+
+        #: per output: batched (a leading batch dimension) or not (as the block made it)
+        self.out_batched: List[bool] = [d is not None for d in precomputed_dims]
+
+    def _vmapped(self, inner: Callable[..., Tuple[Tensor, ...]], tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        found: List[bool] = []
+        in_dims, operands = self.in_dims, tuple(tensors)
+        if all(d is None for d in in_dims):
+            # only the block's random draws are batched (randomness="different" over unbatched
+            # inputs): torch.vmap needs a batched operand to know the batch size
+            in_dims, operands = (*in_dims, 0), (*operands, torch.empty(self.batch_size, 0))
+
+        def per_sample(*ts: Tensor) -> Tuple[Tensor, ...]:
+            outputs = inner(ts[: len(tensors)])
+            level = _current_level()
+            found[:] = [_batched_at(o, level) for o in outputs]
+            return outputs
+
+        outputs = torch.vmap(per_sample, in_dims=in_dims, randomness=self.randomness)(*operands)
+        if not self.out_batched:
+            self.out_batched = found
+        # an output the batch did not reach stays as it was: torch.vmap expands it (stride 0), and
+        # an expanded tangent or cotangent cannot be written to
+        return tuple(o if batched else o.select(0, 0) for o, batched in zip(outputs, self.out_batched))
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        if self.n_inputs < len(tensors):  # a plan's: the plain run's outputs, handed on
+            return self.base.forward_outputs(tensors)
+        return self._vmapped(self.base.forward_outputs, tensors)
+
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return self._vmapped(self.base.pure, tensors)
+
+    def out_dims(self) -> Tuple[Optional[int], ...]:
+        return tuple(0 if batched else None for batched in self.out_batched)
+
+    def replay(self) -> Any:
+        return self.base.replay()
+
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return self.base.for_recompute(tensors)
+
+    def differentiable_outputs(self) -> List[bool]:
+        return self.base.differentiable_outputs()
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]:
+        return self.base.differentiable_inputs(forward)
+
+
+def _primal_count(derivative: _Derivative, in_dims: Sequence[Any]) -> int:
+    return len(in_dims) - (sum(derivative.present) if derivative.kind == "vjp" else len(derivative.wanted))
+
+
+def _recompute_of(plan: Any) -> Callable[..., Tuple[Tensor, ...]]:
+    """The block as a function of all its inputs to its differentiable outputs."""
+
+    def recompute(*tensors: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(o for o in plan.pure(tensors) if _differentiable_dtype(o))
+
+    return recompute
+
+
+def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[Tuple[Tensor, ...], Callable[..., Any]]:
+    """``(outputs, pullback)`` of the block with respect to the ``wanted`` inputs.
+
+    Every input is wrapped at the new grad level (as ``torch.func.grad`` wraps
+    all its arguments), so a block that updates a buffer in place (BatchNorm's
+    ``num_batches_tracked``) does what it does without checkpointing.
+    """
+    return _levels.vjp(_recompute_of(plan), tensors, wanted)
+
+
+def _jvp(
+    plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int], directions: Sequence[Tensor],
+) -> Tuple[Tensor, ...]:
+    """The output tangents of the block along ``directions`` (of the ``wanted`` inputs).
+
+    The other inputs stay as they are (constants of the jvp level): wrapped at
+    it without a tangent, an RNN's forward-mode formula mixes batched and
+    unbatched tangents in place (under jacfwd) and fails.
+    """
+    recompute = _recompute_of(plan)
+    root = _root(plan)
+    grad_mode = root.grad_mode  # the call's: a block may branch on it (nn.TransformerEncoder's fast path)
+    # the inputs that required grad at the call require grad here too (kernels are chosen by it:
+    # an LSTM's fused one has a forward-mode formula that fails under jacfwd), under a throwaway
+    # grad level below the jvp's, whose graph goes when it exits
+    needed = [i for i, need in enumerate(root.needs[: len(tensors)]) if need] if grad_mode else []
+
+    def along(*full: Tensor) -> Tuple[Tensor, ...]:
+        with torch.set_grad_enabled(grad_mode):
+            return recompute(*full)
+
+    with contextlib.ExitStack() as stack:
+        given = list(tensors)
+        level = None
+        if needed:
+            level = stack.enter_context(_grad_increment_nesting())
+            stack.enter_context(torch.enable_grad())
+            given = [_wrap_for_grad(t, level) for t in given]
+            with _enable_inplace_requires_grad(True):
+                for i in needed:
+                    if i not in wanted and _differentiable_dtype(given[i]):
+                        given[i].requires_grad_()
+        # a dual's primal cannot overlap itself (a cotangent of .sum() is an expanded one)
+        for i in wanted:
+            given[i] = _unexpanded(given[i])
+        # every input wrapped at the jvp's level, the wanted ones as duals (as jacfwd wraps its
+        # arguments): a BatchNorm's running statistics are then its own to update, not captured
+        output_tangents = _jvp_with_argnums(along, tuple(given), tuple(directions), tuple(wanted), has_aux=False)[1]
+        if level is not None:
+            output_tangents = tuple(_unwrap_for_grad(t, level) for t in output_tangents)
+    return tuple(output_tangents)
+
+
+def _root(node: Any) -> Plan:
+    while not isinstance(node, Plan):
+        node = node.base
+    return node
+
+
+def _unexpanded(t: Tensor) -> Tensor:
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return t.clone()
+    return t
+
+
+# --------------------------------------------------------------------------
+# will anything differentiate this backward (or these tangents) again?
+
+_GRAD = "Grad"
+
+
+def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
+    """The live grad or jvp level the saved tensors are wrapped at (the node's own), or None."""
+    level = None
+    for t in tensors:
+        if _state.is_functorch_wrapped_tensor(t) and not is_batchedtensor(t):
+            found = maybe_get_level(t)  # -2: a dead wrapper (its transform has exited)
+            if found >= 0 and (level is None or found > level):
+                level = found
+    return level
+
+
+def _differentiated_again(
+    saved: Sequence[Tensor], incoming: Sequence[Optional[Tensor]], own: Any = "saved",
+) -> bool:
+    """Whether reverse mode (a live grad level, or eager autograd) will differentiate what this derivative returns.
+
+    Forward mode (a jvp level, a dual level) differentiates it too, but as it
+    runs, keeping nothing: computed directly, it costs one recompute less than
+    checkpointed, and no more memory (``jvp(grad)``, ``hessian``).
+    """
+    if own == "saved":  # the level whose node this is: the saved tensors' (a jvp passes its own)
+        own = _own_level(saved)
+    eager_grad_mode = None
+    for interpreter in _get_interpreter_stack() or ():  # C interpreters: cheap to read
+        if interpreter.key().name == _GRAD:
+            if interpreter.level() != own:
+                return True
+            if eager_grad_mode is None:
+                eager_grad_mode = _CGradInterpreterPtr(interpreter).prevGradMode()
+    if eager_grad_mode is None:
+        eager_grad_mode = torch.is_grad_enabled()
+    return bool(eager_grad_mode) and any(t is not None and _base(t).requires_grad for t in (*saved, *incoming))
+
+
+def _batched_at(t: Tensor, level: int) -> bool:
+    while _state.is_functorch_wrapped_tensor(t):
+        if is_batchedtensor(t) and maybe_get_level(t) == level:
+            return True
+        t = _state.get_unwrapped(t)
+    return False
+
+
+@contextlib.contextmanager
+def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
+    """Pop the vmap levels on top of the stack that batch none of ``primals`` (a jacrev's).
+
+    The forward never ran under them, so the recompute's linearization must not
+    either (its random draws would be refused or batched); the pullback, which
+    takes the batched cotangents, runs under them as usual.
+    """
+    with contextlib.ExitStack() as stack:
+        while _state.peek_interpreter_stack() is not None:
+            top = pyfunctorch.retrieve_current_functorch_interpreter()
+            if top.key().name != "Vmap" or any(_batched_at(p, top.level()) for p in primals):
+                break
+            stack.enter_context(pyfunctorch.temporarily_pop_interpreter_stack())
+        yield
+
+
+class _Recompute(torch.autograd.Function):
+    """The composable checkpoint: forward without activations, every rule a recompute.
+
+    Operands: the node (a :class:`Plan`, or a :class:`_Derivative` /
+    :class:`_Batched` of one), its ``node.n_inputs`` inputs, then, for a plan,
+    the plain run's outputs (precomputed: the forward returns them).  Only the
+    inputs are saved, and only they get gradients or tangents.
+    """
+
+    @staticmethod
+    def forward(node: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        return node.forward_outputs(tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        node, *tensors = inputs
+        ctx.plan = node
+        # an input with no tangent gets None, not a zero made up in its shape: duals are made of the
+        # inputs that have one (an RNN's forward-mode formula fails mixing made-up unbatched zeros
+        # with batched tangents, under jacfwd); a missing cotangent is a zero the backward makes
+        ctx.set_materialize_grads(False)
+        inputs_only = tensors[: node.n_inputs]
+        ctx.save_for_backward(*inputs_only)
+        ctx.save_for_forward(*inputs_only)
+        fixed = [o for o in output if not _differentiable_dtype(o)]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        plan = ctx.plan
+        tensors = plan.for_recompute(ctx.saved_tensors)
+        extra = (None,) * (len(ctx.needs_input_grad) - 1 - len(tensors))  # the precomputed outputs
+        needed = ctx.needs_input_grad[1:]
+        reachable = plan.differentiable_inputs()
+        wanted = [i for i, t in enumerate(tensors) if needed[i] and reachable[i] and _differentiable_dtype(t)]
+        if not wanted:
+            return (None,) * (1 + len(tensors)) + extra
+        cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
+        if _differentiated_again(tensors, cotangents):
+            derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
+            grads = _levels.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
+        else:  # nothing differentiates this again: no graph kept, the least memory
+            # ... except under forward mode (jvp(grad), hessian), which differentiates the pullback as
+            # it runs: it must take the backward formulas the plain code takes, which autograd picks
+            # by grad mode (silu's and group_norm's plain kernels have no forward-mode formula)
+            building = _forward_mode_alive()
+            if building:
+                # ... below this node's own grad level, which would otherwise record the pullback (and
+                # keep the recompute alive): nothing differentiates this backward there
+                own = _own_level(tensors)
+                if own is not None:
+                    tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
+                    cotangents = [None if c is None else _unwrap_for_grad(c, own) for c in cotangents]
+            with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
+                outputs, pullback = _vjp(plan, tensors, wanted)
+            with torch.set_grad_enabled(building):  # no graph of the vjp otherwise: it would keep the recompute alive
+                grads = pullback(tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents)))
+        result: List[Optional[Tensor]] = [None] * len(tensors)
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return (None, *result) + extra
+
+    @staticmethod
+    def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        plan = ctx.plan
+        tensors = plan.for_recompute(ctx.saved_tensors)
+        tangents = tangents[: len(tensors)]  # the precomputed outputs carry none
+        kept = plan.differentiable_outputs()
+        reachable = plan.differentiable_inputs(forward=True)
+        wanted = [
+            i for i, t in enumerate(tangents) if t is not None and reachable[i] and _differentiable_dtype(tensors[i])
+        ]
+        if not wanted:
+            return tuple(None for _ in kept)
+        # the saved tensors and tangents are wrapped at this jvp's own level, alive: below it, or
+        # the recompute would carry that level's tangents too (wasted, and refused by some ops)
+        own = _own_level(tensors)
+        if own is not None:
+            tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
+            tangents = tuple(None if t is None else _unwrap_for_grad(t, own) for t in tangents)
+        directions = tuple(tangents[i] for i in wanted)
+        # the plain run computed these tangents already, where this jvp was on top (a MeanFlow loss,
+        # jacfwd): handed on, not recomputed (the recompute's graph would double the block's peak)
+        precomputed = plan.take_tangents(own) if isinstance(plan, Plan) else None
+        if _differentiated_again(tensors, directions, own):
+            derivative = _Derivative(plan, "jvp", wanted, ())
+            if precomputed is not None:
+                derivative.n_inputs = len(tensors) + len(directions)
+            output_tangents = _levels.apply(derivative, *tensors, *directions, *(precomputed or ()))
+        elif precomputed is not None:
+            output_tangents = precomputed
+        else:
+            with plan.replay():
+                output_tangents = _jvp(plan, tensors, wanted, directions)
+        it = iter(output_tangents)
+        return tuple(next(it) if k else None for k in kept)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Tuple[Any, ...], node: Any, *tensors: Tensor) -> Any:
+        n = node.n_inputs
+        batched = _Batched(node, in_dims[1: 1 + n], info.randomness, info.batch_size, in_dims[1 + n:])
+        # the precomputed outputs with their batch dimension first, as the recompute makes them
+        precomputed = [t if d is None else t.movedim(d, 0) for t, d in zip(tensors[n:], in_dims[1 + n:])]
+        outputs = _levels.apply(batched, *tensors[:n], *precomputed)
+        return outputs, batched.out_dims()
+
+
+_levels.FUNCTION = _Recompute  # applied level by level without torch's per-call class (see levels)

@@ -1,0 +1,475 @@
+"""One checkpointed call, planned: the :class:`Plan` node the recompute's Function carries.
+
+Owns: what the call was given (lifted tensors, rebuilt arguments, the per-thread
+binding of the modules' tensors), the first forward (the plain run, under the run-time
+proof), what the forward kept for the recompute (RNG states, the default dtype, device
+and autocast contexts, module hooks, the modules' plain values, closures' values), how a
+recompute starts from the forward's inputs (a copy where the block writes in place), and
+the replay of that world for each recompute.  May not touch: torch.func's transform
+rules (``function``) or the decision to pack (``call``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils.checkpoint as _tuc
+from torch._C._functorch import _unwrap_for_grad
+from torch._C._functorch import current_level as _current_level
+
+from . import proof as _proof
+from . import binding as _rebind
+from . import counters
+from .. import _state
+from .basics import (
+    SELECTIVE_CACHING_MODE, Tensor, _base, _carries_gradient, _differentiable_dtype, _tracked, _version,
+)
+from .refusals import ChangedSinceForward, Reason
+from .replay import (
+    _NO_CONTEXT, _compiled_code_eager, _contents_to_replay, _forward_rng, _global_hooks, _global_hooks_as,
+    _output_tensors, _plain_nested_checkpoints, _vmap_levels, default_dtype,
+)
+
+
+class Plan:
+    """One composable checkpoint call: what is lifted, how to run the block on it, how to replay it."""
+
+    def __init__(
+        self, function: Callable[..., Any], args: tuple, kwargs: dict, held: _rebind.Holdings, context_fn: Any,
+    ) -> None:
+        #: the call as made (for messages); :meth:`release` drops it once the forward has run
+        self.original_function, self.args, self.kwargs = function, args, kwargs
+        slots = []  # (module, store, name, tensor): every parameter, buffer and plain tensor attribute
+        for module in held.modules:
+            for store in ("_parameters", "_buffers"):
+                for name, tensor in module.__dict__[store].items():
+                    if isinstance(tensor, Tensor):
+                        slots.append((module, store, name, tensor))
+        attributes = []
+        for module, name, value in held.attributes:
+            if isinstance(value, Tensor):
+                slots.append((module, "__dict__", name, value))
+            else:
+                attributes.append((module, name, value))
+        inputs: dict = {}
+        for *_, tensor in slots:
+            inputs.setdefault(id(tensor), tensor)
+        for tensor in held.tensors:
+            if _carries_gradient(tensor):
+                inputs.setdefault(id(tensor), tensor)
+        for tensor in held.arguments:
+            inputs.setdefault(id(tensor), tensor)
+        self.inputs: Tuple[Tensor, ...] = tuple(inputs.values())
+        # The block as a graph with holes where the inputs go: the plan lives as long as the
+        # backward may run, and must not hold the call's tensors (nor the graphs they hold).
+        index = {key: i for i, key in enumerate(inputs)}
+        template = _rebind._Rebuild({key: _rebind.Hole(i) for key, i in index.items()})
+        self.function = template(held.frozen)[0]  # its closures frozen (see the module docstring)
+        #: the arguments as input indices where they are all lifted tensors (``checkpoint(block, h)``,
+        #: the usual call): each recompute hands them on without walking a template; else None
+        self.flat_args: Optional[List[int]] = None
+        if not kwargs and all(isinstance(a, Tensor) and id(a) in index for a in args):
+            self.flat_args = [index[id(a)] for a in args]
+            self.call_args: Any = None
+        else:
+            self.call_args = template((args, kwargs))[0]
+        #: (module, store, name, input index)
+        self.slots = [(module, store, name, index[id(tensor)]) for module, store, name, tensor in slots]
+        #: (module, name, value): the modules' plain numbers, flags and strings at the call (a
+        #: timestep set before each call of a shared module, a counter the forward increments);
+        #: each run binds those that changed since, so the recompute reads what the forward read
+        self.scalars = held.scalars
+        #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
+        #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
+        #: forward still runs in the recompute, as it ran in the forward)
+        self.attributes = [
+            (module, name, template(collections.OrderedDict(value) if hooks else value)[0], hooks)
+            for module, name, value in attributes
+            for hooks in [name in _rebind._FORWARD_HOOKS]
+        ]
+        #: the global module hooks (register_module_forward_hook) at the call, if any: each recompute
+        #: runs under them, as the forward did, also after the user removed one
+        self.global_hooks = _global_hooks()
+        #: (module, name) of those plain attributes: the containers among them are watched in the forward
+        self.attribute_names = [(module, name) for module, name, _ in attributes]
+        self.grad_mode = torch.is_grad_enabled()
+        #: inputs that required grad at the call: the forward makes them require grad too
+        self.needs = [t.requires_grad and _differentiable_dtype(t) for t in self.inputs]
+        #: inputs a gradient or a tangent can reach: those a grad or jvp level wraps, or that
+        #: require grad (a buffer's tangent is a zero the transform made up: not passed on)
+        self.reachable = [_differentiable_dtype(t) and _tracked(t) for t in self.inputs]
+        #: ... of which these a tangent can reach (a grad or jvp level wraps them: eager
+        #: requires_grad carries no tangent)
+        self.tangent_reachable = [r and _tracked(t, eager=False) for r, t in zip(self.reachable, self.inputs)]
+        self.context_fn = context_fn
+        #: the Function's operands: these inputs, then the plain run's output tensors (precomputed)
+        self.n_inputs = len(self.inputs)
+        #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
+        self.refusal: Optional[str] = None
+        #: (jvp level, tangents): the plain run's output tangents at the top jvp level, until used
+        self.tangents: Optional[tuple] = None
+        #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
+        self.unpacked: Optional[str] = None
+        self.versions: List[Optional[int]] = []
+        self.vmaps_at_forward: frozenset = frozenset()
+        #: the versions, once the forward has run, of the inputs it read (None for the others):
+        #: every recompute checks them
+        self.versions_after: List[Optional[int]] = []
+        #: the indices of the inputs the first forward read (None: not known, all are checked)
+        self.read: Optional[set] = None
+        #: input index -> its value before the forward updated it in place (see for_recompute)
+        self.pre_forward: dict = {}
+        #: inputs needing a gradient the forward rewrote with what a rewrite leaves as is (an
+        #: Embedding's max_norm): each recompute starts from a copy of the saved one
+        self.rewritten: frozenset = frozenset()
+        #: (weakref, version, storage) of each tensor the forward read as a constant (a closure's
+        #: mask): every recompute checks that it is still what the forward read
+        self.constants: list = []
+        #: the inputs the block updates in place: every recompute hands it copies of these
+        self.written: frozenset = frozenset()
+        self.output_template: Any = None
+        self.output_ids: List[int] = []
+        self.output_kept: List[bool] = []
+        self.recompute_context: Any = _NO_CONTEXT
+        self.rng: Any = None
+        #: (generator, state) of each user torch.Generator the forward drew from, before its first draw
+        self.generators: List[tuple] = []
+        #: the user's containers the forward changed, as it found them (``_state.contents_snapshot``
+        #: entries): every recompute runs with these contents, and puts back what they hold then
+        self.contents: List[tuple] = []
+        self.autocast: Any = None
+        self.default_dtype = torch.get_default_dtype()
+        #: a torch.device(...) context's device at the call: the Function's forward
+        #: runs without function modes, so it is re-entered there and in the recompute
+        self.default_device: Any = _state.forward_device_context()
+        #: called before every recompute; raises for a drift the recompute cannot undo (an
+        #: optimizer step), or returns fallback's replays (a train/eval switch: see ``_drift``)
+        self.check_recompute: Callable[[], Any] = lambda: None
+
+    # -- running the block on a given set of input tensors
+
+    def release(self) -> None:
+        """Forget the call's own objects once the forward has run (the recompute uses the holes)."""
+        self.original_function = self.args = self.kwargs = None
+        self.inputs = ()
+
+    def call(self, tensors: Sequence[Tensor]) -> Any:
+        """The block on ``tensors`` (a recompute's): its template filled in, its modules bound to them.
+
+        An input the block updates in place is handed to it as a copy made
+        here, inside what the recompute differentiates: the saved one stays as
+        it is for the next recompute, and the update is one the recompute's own
+        level records (a leaf of the vjp's level cannot be written in place).
+        """
+        if self.written:
+            tensors = [t.clone() if i in self.written else t for i, t in enumerate(tensors)]
+        rebuild = _rebind._Rebuild({}, fill=tensors)
+        bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
+        for module, name, value in self.scalars:
+            now = module.__dict__.get(name, _rebind._ABSENT)
+            if now is not value and not (type(now) is type(value) and now == value):
+                bindings.append((module, "__dict__", name, value))
+        for module, name, value, always in self.attributes:
+            new, changed = rebuild(value)
+            if changed or always:
+                bindings.append((module, "__dict__", name, new))
+        with _rebind.bound(bindings), _global_hooks_as(self.global_hooks), _compiled_code_eager():
+            function = rebuild(self.function)[0]
+            if self.flat_args is not None:
+                return function(*[tensors[i] for i in self.flat_args])
+            args, kwargs = rebuild(self.call_args)[0]
+            return function(*args, **kwargs)
+
+    def _given_containers(self) -> list:
+        """The user's containers the block is given (arguments, closure, partial, module attributes)."""
+        roots = _state._argument_roots(self.original_function, self.args, self.kwargs) or []
+        for module, name in self.attribute_names:
+            value = module.__dict__.get(name)
+            if name not in _rebind._FORWARD_HOOKS and _state._holds_container(value):
+                roots.append((f"{type(module).__name__}.{name}", value))
+        return roots
+
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The block as a function of its input tensors to its output tensors (for vjp / jvp)."""
+        return tuple(_output_tensors(self.call(tensors)))
+
+    # -- the first forward: the plain run, then packed into the recompute
+
+    def first_run(self) -> Any:
+        """Run the block as the caller wrote it, at the caller's levels, under the run-time proof.
+
+        Returns what the block returns.  This run *is* the uncheckpointed code:
+        right whatever the proof finds, run once.  What the proof found is in
+        :attr:`refusal` (None: the call can be packed).  The user's exceptions
+        pass through untouched.
+        """
+        inputs = self.inputs
+        self.capture_forward_state(inputs)
+        forward_context = contextlib.nullcontext()
+        if self.context_fn is not None:
+            forward_context, self.recompute_context = self.context_fn()
+            if isinstance(forward_context, SELECTIVE_CACHING_MODE):
+                # Selective checkpointing caches ops by their order in torch's own recompute;
+                # the vjp here runs other ops, so the cache would not line up ("not found in
+                # storage"). Its policy only chooses what to keep: recomputing all is correct.
+                forward_context, self.recompute_context = contextlib.nullcontext(), _NO_CONTEXT
+        if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
+            with forward_context, _plain_nested_checkpoints():
+                return self.original_function(*self.args, **self.kwargs)
+        self.versions = [_version(_base(t)) for t in inputs]  # a wrapper's own counter never moves
+        self.vmaps_at_forward = _vmap_levels()
+        given = _state.contents_snapshot(self._given_containers())
+        level = _current_level() if _state.peek_interpreter_stack() is not None else -1
+        check = _proof.ReadCheck(inputs, level) if counters.PROOF else None
+        with forward_context, _plain_nested_checkpoints(), _compiled_code_eager():
+            if check is None:
+                output = self.original_function(*self.args, **self.kwargs)
+            else:
+                check.given(inputs)
+                with check:
+                    output = self.original_function(*self.args, **self.kwargs)
+        found = _output_tensors(output)
+        if check is not None:
+            check.check_outputs(found)
+            self.generators = list(check.generators.values())
+            if check.refused is not None:
+                self.refusal = _describe_unlifted(self, check.refused)
+                return output
+            self.refusal = self._unseen_update(check)
+            if self.refusal is not None:
+                return output
+            self.constants = list(check.constants.values())
+            self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i])}
+            self.rewritten = frozenset(check.rewritten)
+            self.written = frozenset(self.pre_forward) | self.rewritten
+            self.read = None if check.unseen_reads else check.read
+        if given:
+            self.contents, self.refusal = _contents_to_replay(given)
+            if self.refusal is not None:
+                return output
+        read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
+        self.versions_after = [
+            _version(_base(t)) if read is None or i in read else None for i, t in enumerate(inputs)
+        ]
+        self.output_template = output
+        self.output_ids = [id(t) for t in found]
+        self.output_kept = [_differentiable_dtype(t) for t in found]
+        return output
+
+    def keep_tangents(self, output: Any) -> None:
+        """Where the top level is a jvp: the plain run's output tangents, cut from its graph, for
+        the Function's jvp rule of that level to hand on (see :meth:`take_tangents`)."""
+        self.tangents = None
+        top = _state.peek_interpreter_stack()
+        if top is None or top.key().name != "Jvp":
+            return
+        level = top.level()
+        tangents = []
+        for o, kept in zip(_output_tensors(output), self.output_kept):
+            if not kept:
+                continue
+            tangent = _state.forward_ad.unpack_dual(o).tangent
+            if tangent is None:
+                return  # an output the duals do not reach: the recompute makes its zero tangent
+            tangents.append(_unwrap_for_grad(tangent, level).detach())
+        self.tangents = (level, tuple(tangents))
+
+    def take_tangents(self, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
+        """The plain run's tangents for the jvp rule of ``level``, once (a later call recomputes)."""
+        kept, self.tangents = self.tangents, None
+        if kept is None or kept[0] != level:
+            return None
+        return kept[1]
+
+    def ran_under(self, level: int, batch_size: int, randomness: str) -> bool:
+        """Whether the plain run ran under this vmap (its random draws were batched by it)."""
+        return (level, batch_size, randomness) in self.vmaps_at_forward
+
+    def precomputed(self, output: Any) -> List[Tensor]:
+        """The plain run's output tensors, cut from its graph, to hand to the recompute's Function.
+
+        Handed in as operands, they reach the Function's forward through every
+        level's own unwrapping (a vmap rule sees where each is batched); the
+        forward returns them, so the block never runs inside the Function.
+        ``.detach()`` keeps the batching and drops the autograd history at every
+        level, so nothing holds the plain run's activations once it returns.
+        An output sharing memory with an input is copied (the Function's output
+        must not alias what it saves for backward).
+        """
+        found = _output_tensors(output)
+        storages = None
+        kept = []
+        for t in found:
+            if storages is None and any(_proof._storage_address(t) is not None for t in found):
+                storages = {_proof._storage_address(i) for i in self.inputs}
+            if storages and _proof._storage_address(t) in storages:
+                t = t.clone()
+            kept.append(t.detach())
+        return kept
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The Function's forward: the plain run's outputs, as they arrive at this level (never a rerun)."""
+        return tuple(t.detach() for t in tensors[self.n_inputs:])
+
+    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """The saved inputs, checked: every input the forward read must still be what it read.
+
+        An input the forward updated in place (a BatchNorm's running
+        statistics, ``h += pos``) was saved as a copy of what the forward
+        started from (see :func:`_run`), and each recompute updates a copy of
+        that copy (:meth:`call`), so the update happens once, as without
+        checkpointing; an input needing a gradient that the block rewrites
+        idempotently (``rewritten``) is copied too.  Any other input whose
+        version moved raises :class:`ChangedSinceForward`.
+        """
+        for i, (t, was) in enumerate(zip(tensors, self.versions_after)):
+            if was is not None and i not in self.pre_forward and _version(_base(t)) != was:
+                self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
+                raise self._changed_since_forward(i, t, was)
+        for ref, was, _ in self.constants:
+            constant = ref()
+            if constant is not None and _version(_base(constant)) != was:
+                self.check_recompute()
+                raise ChangedSinceForward(
+                    f"ckpt_guard's composable recompute: a tensor the checkpointed block reads as a constant "
+                    f"(a {tuple(_base(constant).shape)} tensor that needs no gradient, a mask or a table it "
+                    f"holds) was updated in place after the block's forward and before this recompute (its "
+                    f"version was {was}, now {_version(_base(constant))}). The recompute would read the new "
+                    "values, so it stops here, as autograd stops the same program without checkpointing where "
+                    "an operation saved it ('modified by an inplace operation'). Update a copy instead, or "
+                    "take the gradient before the update."
+                )
+        return tuple(tensors)
+
+    def _unseen_update(self, check: _proof.ReadCheck) -> Optional[str]:
+        """Why the call cannot be packed, if the forward moved an input's version with no copy kept."""
+        for i, (t, was) in enumerate(zip(self.inputs, self.versions)):
+            if was is None or _version(_base(t)) == was or i in check.before or i in check.rewritten:
+                continue
+            path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
+            return Reason(
+                "unseen-update",
+                f"the block updated {path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place "
+                "in a way the run-time proof did not see coming (a C extension, or with torch functions "
+                "off), so no copy of what it started from was kept for the recompute",
+            )
+        return None
+
+    def _changed_since_forward(self, i: int, t: Tensor, was: int) -> ChangedSinceForward:
+        held = [self._slot_name(module, name) for module, _, name, index in self.slots if index == i]
+        what = f"{held[0]}, which the checkpointed block reads" if held else "a tensor the checkpointed block reads"
+        return ChangedSinceForward(
+            f"ckpt_guard's composable recompute: {what} "
+            f"(a {tuple(_base(t).shape)} tensor) was updated in place after the block's forward and "
+            f"before this recompute (its version was {was}, now {_version(_base(t))}). The recompute would "
+            "read the new values and return wrong gradients, so it stops here. Take the gradient "
+            "(backward, the vjp's pullback) before updating it (optimizer.step() after loss.backward()), "
+            "update a copy instead (w = w * 2, not w.mul_(2)), or call the block without checkpointing."
+        )
+
+    def _slot_name(self, module: Any, name: str) -> str:
+        """``Net.stage2.lin.weight``: the attribute's path from the outermost module the block reaches."""
+        best = ""
+        for outer in {id(m): m for m, *_ in self.slots}.values():
+            for path, sub in outer.named_modules():
+                if sub is module and path and len(path) > len(best.split(".", 1)[-1]):
+                    best = f"{type(outer).__name__}.{path}"
+        return f"{best or type(module).__name__}.{name}"
+
+    def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
+        # a kernel may write without bumping the version (BatchNorm's running statistics)
+        return self.versions[i] != _version(_base(now)) or not torch.equal(_base(kept), _base(now))
+
+    def rebuild(self, outputs: Sequence[Tensor]) -> Any:
+        """The block's output with the Function's outputs in place of the forward's tensors."""
+        return _rebind.rebuild(self.output_template, dict(zip(self.output_ids, outputs)))
+
+    def differentiable_outputs(self) -> List[bool]:
+        return self.output_kept
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]:
+        return self.tangent_reachable if forward else self.reachable
+
+    # -- what the forward saw, and its replay
+
+    def capture_forward_state(self, tensors: Sequence[Tensor]) -> None:
+        self.default_dtype = torch.get_default_dtype()
+        if all(t.device.type == "cpu" for t in tensors):  # torch's answer then, without its pytree walk
+            device_type = _tuc.DefaultDeviceType.get_device_type()
+        else:
+            device_type = _tuc._infer_device_type(*tensors)
+        self.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
+        device_module = getattr(torch, device_type, None)
+        devices, states = ([], [])
+        if device_type != "cpu" and getattr(device_module, "_initialized", False):
+            devices, states = _tuc.get_device_states(*tensors)
+        self.rng = (torch.get_rng_state(), devices, states, device_type)
+
+    @contextlib.contextmanager
+    def replay(self) -> Any:
+        """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute.
+
+        Only what differs from now is entered (a recompute in the backward
+        usually runs where the forward ran: same dtype, autocast off): each
+        context costs microseconds, and a recompute runs per block per step.
+        """
+        replays = self.check_recompute() or ()
+        device_type, device_autocast, cpu_autocast = self.autocast
+        with contextlib.ExitStack() as stack:
+            for replay in replays:  # fallback: a module's train/eval mode as in the forward
+                stack.enter_context(replay)
+            if torch.get_default_dtype() != self.default_dtype:
+                stack.enter_context(default_dtype(self.default_dtype))
+            if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
+                stack.enter_context(torch.device(self.default_device))
+            stack.enter_context(_forward_rng(*self.rng))
+            if self.generators:
+                # the recompute draws are not the program's: each is left where the program had it
+                stack.enter_context(_state.replaying_generators(self.generators, lock=False))
+            if self.contents:
+                stack.enter_context(_state.replaying_contents(self.contents, lock=False))
+            device_now, cpu_now = _tuc._get_autocast_kwargs(device_type)  # how torch's checkpoint records them
+            if device_type != "cpu" and device_autocast is not None and device_autocast != device_now:
+                stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
+            if cpu_autocast != cpu_now:
+                stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
+            if self.recompute_context is not _NO_CONTEXT:
+                stack.enter_context(self.recompute_context)
+            stack.enter_context(_plain_nested_checkpoints())
+            yield
+        counters.RECOMPUTES += 1
+
+
+def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> Reason:
+    tensor = read.tensor
+    path = _rebind.describe_path(built.original_function, built.args, built.kwargs, tensor)
+    if _state.is_functorch_wrapped_tensor(tensor):
+        what = "a tensor a torch.func transform is differentiating or batching"
+    else:
+        what = "a tensor that requires grad"
+    shape = tuple(_base(tensor).shape)
+    where = f"{path}" if path else f"a tensor the guard cannot name (shape {shape})"
+    if read.operation == "Tensor.requires_grad_":
+        return Reason(
+            "leaf-inside",
+            f"the block makes {where} require grad (requires_grad_() at {read.site}): a leaf made inside "
+            "a checkpoint gets no gradient from its recompute, and torch.func refuses requires_grad_() "
+            "there (make it require grad outside the block and pass it in)",
+        )
+    if read.outside:
+        return Reason(
+            "write-outside",
+            f"the block writes in place into {where}, a tensor it was neither given nor made by a "
+            f"torch operation (through {read.operation} at {read.site}): the recompute would write it a "
+            "second time and start from what the forward wrote (pass it to the block as an argument; "
+            "one the block makes with torch.Tensor(...) or from NumPy: make it with torch.zeros or torch.tensor)",
+        )
+    how = "returned it" if read.operation == "returned" else f"passed it to {read.operation}"
+    return Reason(
+        "unlifted-read",
+        f"the block reads {what} that was not lifted into the recompute's inputs: {where}; "
+        f"it {how} at {read.site} (its gradient would have been lost)",
+    )

@@ -1,0 +1,238 @@
+"""The world a recompute runs in: what the forward had, put back for each recompute.
+
+Owns: the forward's RNG states (a device's too), the containers to replay, the
+global module hooks as the forward found them, the live vmap levels, the default
+dtype, nested checkpoints run plainly, and compiled code inside a block held eager
+(one shared stance for all threads).  May not touch: the plan (``plan``) or the
+Function (``function``), which use these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint as _tuc
+from torch._C._functorch import current_level as _current_level
+from torch._functorch import pyfunctorch
+
+from . import binding as _rebind
+from .. import _config, _state
+from .basics import Tensor
+from .refusals import Reason
+
+
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _forward_rng(cpu_state: Tensor, devices: list, states: list, device_type: str) -> Any:
+    """The forward's RNG states while a recompute runs, the program's back afterwards (``fork_rng``'s job,
+    for the devices the forward's inputs were on)."""
+    device_module = getattr(torch, device_type, None) if devices else None
+    program_cpu = torch.get_rng_state()
+    program_devices = [device_module.get_rng_state(d) for d in devices] if devices else []
+    torch.set_rng_state(cpu_state)
+    if devices:
+        _tuc.set_device_states(devices, states)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(program_cpu)
+        for device, state in zip(devices, program_devices):
+            device_module.set_rng_state(state, device)
+
+
+def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
+    """What the recompute must replay of the containers the forward changed, and why it cannot, if so.
+
+    Each recompute starts from what the forward found, and puts back what
+    is there then (a counter, a log, a KV cache changes once, as without
+    checkpointing).  The plain run changed the user's own containers; a
+    tensor it put there belongs to the plain run's graph, which the code
+    reading it differentiates as it would without checkpointing.  Only a
+    container too long to keep a copy of cannot be replayed.  A tensor in
+    them updated in place is the proof's.
+    """
+    changed = [entry for entry in _state.changed_at_all(given) if entry[2] != "tensor"]
+    for path, value, kind, recorded in changed:
+        if not _state.replayable([(path, value, kind, recorded)]):
+            return [], Reason("long-container", f"it changes {path}, a container too long to keep a copy of")
+    return changed, None
+
+
+def _output_tensors(output: Any) -> List[Tensor]:
+    """The tensors in a block's output (any structure: containers, dataclasses, objects), once each."""
+    found: dict = {}
+
+    def visit(obj: Any, bindable: bool) -> None:
+        if isinstance(obj, Tensor):
+            found.setdefault(id(obj), obj)
+
+    _rebind._Rebuild({}, visit)(output)
+    return list(found.values())
+
+
+_GLOBAL_HOOKS = tuple(
+    name for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called")
+    if hasattr(torch.nn.modules.module, name)
+)
+_GLOBAL_HOOKS_LOCK = __import__("threading").Lock()
+
+
+def _global_hooks() -> Optional[tuple]:
+    """A copy of each global module-hook dict, or None where all are empty (the usual case)."""
+    module = torch.nn.modules.module
+    dicts = [getattr(module, name) for name in _GLOBAL_HOOKS]
+    if not any(dicts):
+        return None
+    return tuple(dict(d) for d in dicts)
+
+
+@contextlib.contextmanager
+def _global_hooks_as(recorded: Optional[tuple]) -> Any:
+    """The global module hooks as the forward found them, for one recompute (where they changed since).
+
+    They are process-wide: while they are put back, under a lock, another
+    thread's module calls see the forward's hooks too.
+    """
+    module = torch.nn.modules.module
+    dicts = [getattr(module, name) for name in _GLOBAL_HOOKS]
+    if recorded is None:
+        if not any(dicts):
+            yield
+            return
+        recorded = tuple({} for _ in dicts)
+    if all(dict(d) == r for d, r in zip(dicts, recorded)):
+        yield
+        return
+    with _GLOBAL_HOOKS_LOCK:
+        now = [dict(d) for d in dicts]
+        for d, r in zip(dicts, recorded):
+            d.clear()
+            d.update(r)
+        try:
+            yield
+        finally:
+            for d, n in zip(dicts, now):
+                d.clear()
+                d.update(n)
+
+
+def _vmap_level_of_rule() -> int:
+    """The level of the vmap whose rule is running (it has been lowered: the one above the top)."""
+    return (_current_level() if _state.peek_interpreter_stack() is not None else 0) + 1
+
+
+def _vmap_levels() -> frozenset:
+    """(level, batch size, randomness) of each vmap alive now."""
+    if not any(name == "Vmap" for name, _ in _state.interpreter_levels()):
+        return frozenset()
+    return frozenset(
+        (i.level(), i.batch_size(), i.randomness())
+        for i in pyfunctorch.retrieve_all_functorch_interpreters() if i.key().name == "Vmap"
+    )
+
+
+def _forward_mode_alive() -> bool:
+    """Whether forward-mode AD is differentiating what runs now (a jvp level, or a dual level)."""
+    if _state.forward_ad._current_level >= 0:
+        return True
+    if _state.peek_interpreter_stack() is None:
+        return False
+    return any(name == "Jvp" for name, _ in _state.interpreter_levels())
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Any:
+    """``torch.set_default_dtype(dtype)`` for a block (the recompute's; fallback's CKG105 replay)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _plain_nested_checkpoints() -> Any:
+    """Checkpoints inside the block run as plain calls (the guard's "plain" scope)."""
+    token = _config.push_scope(_config.PLAIN)
+    try:
+        yield
+    finally:
+        _config.pop_scope(token)
+
+
+def _compiled(function: Any) -> bool:
+    """A ``torch.compile``'d function or module (the function itself, or bound in a partial)."""
+    function = getattr(function, "func", function)
+    return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
+
+
+_SET_STANCE = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+
+
+def _compiled_code_eager() -> Any:
+    """Compiled code the block calls runs eagerly, where dynamo is loaded (torch >= 2.6).
+
+    Dynamo traces the run-time proof's mode and cannot make fake tensors of
+    torch.func's wrappers under it; and a compiled recompute under torch.func
+    runs frame by frame anyway.  The values are the same.  The stance is
+    process-wide: while a block runs, another thread's compiled code runs
+    eagerly too.
+    """
+    if _SET_STANCE is None or "torch._dynamo" not in sys.modules:
+        return _NO_CONTEXT
+    return _EAGER_STANCE
+
+
+class _SharedEagerStance:
+    """``set_stance("force_eager")`` shared by every block running now, on any thread: the first in
+    sets it, the last out puts back what was there (set_stance itself restores in its own order,
+    which two threads interleave).
+
+    Set through dynamo's own ``_set_stance`` with the force_eager stance made
+    once, where torch has it: ``torch.compiler.set_stance`` builds and checks
+    a stance object per call, and a block enters this twice per step (its
+    forward and its recompute).
+    """
+
+    def __init__(self) -> None:
+        self.lock = __import__("threading").Lock()
+        self.users = 0
+        self.undo: Any = None
+        self.force_eager: Any = None  # dynamo's force_eager stance object, once made
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                self.undo = self._set()
+            self.users += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                undo, self.undo = self.undo, None
+                undo()
+
+    def _set(self) -> Callable[[], Any]:
+        """Set the stance; returns what undoes it.  The first time (or where dynamo has no
+        ``_set_stance``) through ``torch.compiler.set_stance``, keeping the stance object it made."""
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        set_raw = getattr(eval_frame, "_set_stance", None)
+        if set_raw is None or self.force_eager is None:
+            stance = _SET_STANCE("force_eager")
+            stance.__enter__()
+            if set_raw is not None:
+                self.force_eager = getattr(eval_frame, "_stance", None)
+            return lambda: stance.__exit__(None, None, None)
+        prior = set_raw(self.force_eager)
+        return lambda: set_raw(prior)
+
+
+_EAGER_STANCE = _SharedEagerStance()
