@@ -329,8 +329,9 @@ def _cmd_rules() -> int:
         f"({_config.ENV_POLICY}: {env[_config.ENV_POLICY]}{default}; {_config.ENV_RULES}: {env[_config.ENV_RULES]})"
     )
     print(
-        "  used by ckpt_guard.install() with no argument and by ckpt_guard.checkpoint; "
-        "torch.utils.checkpoint is guarded only once install() has run"
+        "  used by ckpt_guard.install() with no argument, and by ckpt_guard.checkpoint under torch.func "
+        "even without install(); every other checkpoint call (ckpt_guard.checkpoint outside torch.func "
+        "included: it is torch's then) is guarded only once install() has run"
     )
     print()
     rows = [
@@ -381,7 +382,7 @@ def _cmd_explain(rule_id: str) -> int:
         out += _wrapped("torch's error:", f"matches /{rule.raises_match}/")
     if rule.composable_helps:  # what keeps checkpointing and its memory saving comes first
         out += _wrapped("works:", COMPOSABLE_WORKS)
-    out += _wrapped("remedy:", ("or " if rule.composable_helps else "") + rule.remedy)
+    out += _wrapped("otherwise:" if rule.composable_helps else "remedy:", rule.remedy)
     out += _wrapped("fallback:", rule.fallback or "-")
     out.append("references:" if rule.refs else "references:     -")
     out += [f"  {ref}" for ref in rule.refs]

@@ -402,6 +402,7 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
             context_fn = None if context_fn is _noop_context_fn else context_fn
             chosen = composable_instead(
                 reentrant, function, args, kwargs, config, context_fn, options.get("preserve_rng_state", True),
+                defaulted=use_reentrant is None,  # the entry runs before torch warns (and marks the frame)
             )
             if chosen is not None:
                 built, announce = chosen
@@ -455,7 +456,7 @@ def _watch_composable_recompute(built: Any, reentrant: bool, config: _config.Con
 
 def composable_instead(
     reentrant: bool, function: Any, args: tuple, kwargs: dict, config: _config.Config,
-    context_fn: Any, preserve_rng_state: bool,
+    context_fn: Any, preserve_rng_state: bool, defaulted: Optional[bool] = None,
 ) -> Any:
     """Under fallback, the composable recompute to run instead of this checkpoint call, or None.
 
@@ -493,7 +494,9 @@ def composable_instead(
     _watch_composable_recompute(built, reentrant, config, site_frame)
     site = describe_site(site_frame)
     transforms = state.transforms if state is not None else _state.transform_stack()
-    variant = describe_variant(reentrant, None)
+    if defaulted is None:  # ``defaulted``: whether use_reentrant was not passed, where the caller knows
+        defaulted = use_reentrant_defaulted() if reentrant else False
+    variant = describe_variant(reentrant, reentrant and defaulted)  # as strict says it
     also = [other.id for other, _ in firing if other is not rule]
 
     def announce(refusal: Optional[str]) -> None:

@@ -232,7 +232,7 @@ _TRANSFORM_RULE_IDS = tuple(
 _SUGGESTS_CHECKPOINT = "checkpoint these blocks with ckpt_guard.checkpoint(block, *inputs)"
 #: the first fix where fallback ran the composable recompute: the call is right and keeps its saving
 NOTHING_TO_FIX = (
-    "nothing to fix: the result is the uncheckpointed code's, and the memory saving is kept"
+    "none needed: the result is the uncheckpointed code's, and the memory saving is kept"
 )
 
 
@@ -269,7 +269,7 @@ def _fixes(
     also = ""
     if rule.id in _TRANSFORM_RULE_IDS:  # the next transform in the program trips the next one of these
         ids += [i for i in _TRANSFORM_RULE_IDS if i not in ids]
-        also = f" ({', '.join(dict.fromkeys([rule.id, *fired]))} and the other torch.func rules: one round covers every transform)"
+        also = f" ({', '.join(dict.fromkeys([rule.id, *fired]))} and the other torch.func rules, so that the next transform in this program is covered too)"
     if rule.fallback_helps and policy != "fallback":
         working = [
             f"use fallback, {set_rule('fallback', ids)}{also} (or for all rules: {set_rule('fallback')}); "

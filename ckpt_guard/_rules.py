@@ -112,7 +112,10 @@ class Rule:
     @property
     def torch_versions(self) -> str:
         """Where the claim holds, why, and where it was measured (for docs and ``explain``)."""
-        return f"{self.torch_range}: {self.torch_note} (measured on {', '.join(self.measured_on)})"
+        return (
+            f"holds on {self.torch_range}: {self.torch_note} (checked against torch "
+            f"{', '.join(self.measured_on)}, where it holds and where it does not)"
+        )
 
 
 def _variant_kwargs(use_reentrant: Optional[bool]) -> dict:

@@ -324,7 +324,7 @@ def test_explain_leads_with_what_keeps_checkpointing_where_the_composable_recomp
     labels = [line.split(":")[0].strip() for line in result.stdout.splitlines() if line[:1].isalpha()]
     rule = rule_by_id(rule_id)
     if rule.composable_helps:
-        assert labels.index("works") < labels.index("remedy")
+        assert labels.index("works") < labels.index("otherwise")  # the remedy, after what works
         works = next(line for line in result.stdout.splitlines() if line.startswith("works:"))
         assert "ckpt_guard.checkpoint(block, *inputs)" in works
     else:  # CKG105 (default dtype) is not a transform rule: no such line
@@ -338,6 +338,7 @@ def test_rules_says_where_the_policy_comes_from_and_who_uses_it(tmp_path):
     head = unset.stdout.splitlines()[:2]
     assert head[0].startswith("policy from the environment: strict") and "unset, the default" in head[0]
     assert "install() with no argument" in head[1] and "only once install() has run" in head[1]
+    assert "ckpt_guard.checkpoint under torch.func even without install()" in head[1]
     set_ = cli("rules", cwd=tmp_path, env=_env(CKPT_GUARD_POLICY="warn"))
     assert set_.stdout.startswith("policy from the environment: warn  (CKPT_GUARD_POLICY: warn;")
 

@@ -78,7 +78,7 @@ def test_following_the_strict_fix_line_fixes_the_whole_maml_step_in_one_round(in
     under_vmap = "CKG003" if rule_by_id("CKG003").holds_on(installed()) else "CKG007"  # the table's rule here
     assert {"CKG001", under_vmap} <= set(rules) and set(rules.values()) == {"fallback"}
     # rules this call did not trip are named with the reason they are there
-    assert "(CKG001 and the other torch.func rules: one round covers every transform)" in str(info.value)
+    assert "(CKG001 and the other torch.func rules, so that the next transform in this program is covered too)" in str(info.value)
     ckpt_guard.install("strict", rules=rules)  # the line, followed literally
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
@@ -378,6 +378,6 @@ def test_where_fallbacks_composable_recompute_ran_there_is_nothing_to_fix():
     finally:
         ckpt_guard.uninstall()
     fixes = _fix_lines(str(warned[0].message))
-    assert fixes[0].startswith("nothing to fix"), fixes
+    assert fixes[0].startswith("none needed"), fixes
     assert not any("move the checkpoint call" in line for line in fixes), fixes
     assert "warnings.filterwarnings('ignore'" in fixes[-1]

@@ -41,6 +41,17 @@ def test_no_two_modules_import_each_other():
     assert cycles == []
 
 
+def test_every_subpackage_goes_into_the_wheel():
+    """setuptools is given the package list: a room made a folder (``_state/``) must be on it."""
+    folders = sorted(
+        os.path.relpath(folder, REPO_ROOT).replace(os.sep, ".")
+        for folder, _, files in os.walk(PACKAGE) if "__init__.py" in files or folder.endswith("_autoinstall")
+    )
+    pyproject = open(os.path.join(REPO_ROOT, "pyproject.toml"), encoding="utf-8").read()
+    listed = ast.literal_eval(pyproject.split("\npackages = ", 1)[1].split("\n", 1)[0])
+    assert sorted(listed) == folders
+
+
 def test_the_package_is_typed():
     assert os.path.exists(os.path.join(PACKAGE, "py.typed"))
     pyproject = open(os.path.join(REPO_ROOT, "pyproject.toml"), encoding="utf-8").read()

@@ -240,6 +240,20 @@ def test_message_names_stack_site_and_defaulted_variant():
     assert "pass use_reentrant=False" not in message
 
 
+def test_fallback_names_a_defaulted_variant_as_strict_does():
+    """The same call, the same words: fallback's warning says use_reentrant was not passed, as strict does."""
+    loss = _per_sample_loss([])  # use_reentrant not passed
+    ckpt_guard.install("fallback", rules={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.func.vmap(torch.func.grad(loss))(torch.randn(4, 3))
+    finally:
+        ckpt_guard.uninstall()
+    ours = [str(w.message) for w in caught if issubclass(w.category, ckpt_guard.CheckpointCompositionWarning)]
+    assert ours and all("use_reentrant was not passed: torch defaulted to use_reentrant=True" in m for m in ours), ours
+
+
 def test_explicit_reentrant_is_not_called_defaulted():
     loss = _per_sample_loss([], use_reentrant=True)
     with pytest.raises(CheckpointCompositionError) as info:
