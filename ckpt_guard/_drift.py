@@ -113,6 +113,8 @@ _ANTICIPATED_INDICES = tuple(
     if rule.read in ("swapped_reads", "user_dispatch_modes", "user_function_modes", "transform_stack")
 )
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
+_SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "swapped_reads")
+_BINDINGS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_bindings")
 _CONTENTS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "argument_contents")
 _CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
 _GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")
@@ -384,6 +386,10 @@ def report_drift(
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
+    if _BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
+        # a functional_call swap began or ended between the forward and now: the tensors it swapped
+        # are re-bound too, and CKG101 (the swap) is the one cause to report, not also CKG110
+        changed.remove(_BINDINGS_INDEX)
     if not changed:
         return []
     forward_site_text = _describe_forward_site(site)

@@ -769,7 +769,7 @@ def _probe_rebound_parameter(ckpt, use_reentrant):
 
 
 def _probe_hook_removed(ckpt, use_reentrant):
-    """A one-shot forward hook (nnsight's edits): registered for the forward, removed before .backward()."""
+    """A one-shot forward hook: registered for the forward, removed before .backward()."""
     import torch
 
     torch.manual_seed(0)
@@ -1130,7 +1130,7 @@ _DRIFT_RULES = [
         variants=(REENTRANT, NON_REENTRANT),
         trigger=(
             "between the forward and the recompute, a forward hook or pre-hook of a module the "
-            "checkpointed block runs was registered or removed: a one-shot edit (nnsight), a "
+            "checkpointed block runs was registered or removed: a one-shot edit made with a hook, a "
             "handle removed right after the forward, a probe registered for one step"
         ),
         symptom=(

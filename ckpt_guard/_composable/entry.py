@@ -17,7 +17,7 @@ from . import proof as _proof
 from .._actions import NO_CHECKPOINT
 from .._decide import (
     _OUTCOME_TEXT, _forward_ad, _peek_interpreter_stack, _scoped_config, _watch_composable_recompute,
-    _where, decide_call, forward_context_of,
+    _where, decide_call, forward_context_of, prepare_call,
 )
 from .._drift import _Tensor, _report_at_recompute
 from .._exceptions import CheckpointCompositionError
@@ -168,6 +168,39 @@ def _run_recorded(function: Any, recorder: _RecordedReads, *args: Any, **kwargs:
 _SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")
 
 
+def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: dict, preserve_rng_state: bool) -> Any:
+    """Torch's checkpoint for ``ckpt_guard.checkpoint`` outside torch.func, with nothing installed:
+    each recompute is checked as an installed guard checks it (the drift rules, under the
+    environment's policy: a parameter a meta-optimizer re-bound, a train/eval switch).
+
+    The guard's own call preparation runs here under that policy, as a patch point would run
+    it; torch calls the block once for the forward (as given) and once per recompute (checked
+    against the forward's state: strict raises the rule, fallback replays the forward's
+    world, warn warns).  What needs a patch point (a watch on ``preserve_rng_state=False``'s
+    forward, early stop switched off) is left to torch, as before.
+    """
+    token = _config.push_scope(_config.from_environment())
+    try:
+        guarded = prepare_call(
+            False, function, args, 0, options.get("context_fn"), preserve_rng_state, True, kwargs,
+        )
+    finally:
+        _config.pop_scope(token)
+    if guarded == NO_CHECKPOINT:  # fallback: a call rule says checkpointing here is not safe
+        return function(*args, **kwargs)
+    if not isinstance(guarded, functools.partial):  # nothing to check, or what needs a patch point
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    forward = [True]
+
+    def block(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        if forward[0]:  # torch's forward: the block as given
+            forward[0] = False
+            return function(*inner_args, **inner_kwargs)
+        return guarded(*inner_args, **inner_kwargs)  # a recompute: checked first
+
+    return _torch_checkpoint.checkpoint(block, *args, **options, **kwargs)
+
+
 def public_checkpoint(
     function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool,
 ) -> Any:
@@ -196,6 +229,8 @@ def public_checkpoint(
     # a swap: seen by the guard's functional_call tracking when installed (any swap active on this
     # thread: the block may reach a swapped module any way), else by its traces
     if eager and not (_state.swaps_active_here() or _swapped_parameters(function, args)):
+        if scoped is None and not _config._installed.active:  # no patch point guards torch's call here
+            return _checked_without_install(function, args, kwargs, options, preserve_rng_state)
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     installed = _config._installed  # install("off") is a policy in force, not the absence of one
     config = scoped or (installed if installed.active or installed.source != "default" else None)

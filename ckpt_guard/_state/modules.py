@@ -222,10 +222,41 @@ def block_snapshot(function: object) -> tuple:
         return snapshot
     if kind is types.FunctionType and function.__closure__:
         try:
-            return tuple([cell.cell_contents for cell in function.__closure__]), (), None
+            cells = tuple([cell.cell_contents for cell in function.__closure__])
         except ValueError:  # an empty cell: a name assigned after the function was made
             return _NOTHING
+        for value in cells:
+            if isinstance(value, Module):  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
+                return ClosureRead((cells, tuple(_closure_module_tensors(m) for m in _held_modules(cells)))), (), None
+        return cells, (), None
     return _NOTHING
+
+
+class ClosureRead(tuple):
+    """``(closure cells' contents, per module held in a cell: its tensors' snapshot or None)``.
+
+    A tuple, compared as one; its own type so :func:`rebound` tells it from a closure of two cells.
+    """
+
+    __slots__ = ()
+
+
+#: a module held in a closure with more submodules than this is not snapshotted on every call (a
+#: closure holding a whole model, ``lambda h: self.layer(h)``, would cost a copy of every module's
+#: dicts per call): checkpoint the submodule itself, or pass it, for CKG110 to see it
+CLOSURE_MODULE_LIMIT = 64
+
+
+def _held_modules(cells: tuple) -> list:
+    return [value for value in cells if isinstance(value, Module)]
+
+
+def _closure_module_tensors(module: Module) -> Optional[tuple]:
+    """The tensor part of ``module``'s snapshot, or None past :data:`CLOSURE_MODULE_LIMIT` or unreadable."""
+    if len(_structure(module).paths) > CLOSURE_MODULE_LIMIT:
+        return None
+    snapshot = block_snapshot(module)
+    return snapshot[0] if snapshot is not _NOTHING else None
 
 
 def differs(was: object, now: object) -> bool:
@@ -266,13 +297,26 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
     block = _block_module(function)
     if not isinstance(block, Module):
         cells = getattr(block, "__closure__", None) or ()
+        held: list = []
+        if type(was) is ClosureRead:  # modules held in the cells: what they hold, too
+            was, tensors = was
+            if not hooks:
+                held = [
+                    change for module, forward in zip(_held_modules(was), tensors) if forward is not None
+                    for change in _module_changes(module, forward, False)
+                ]
         if len(cells) != len(was):
-            return []
+            return held
         return [
             (cell, "cell", name, old)
             for cell, name, old in zip(cells, block.__code__.co_freevars, was)
             if cell.cell_contents is not old
-        ]
+        ] + held
+    return _module_changes(block, was, hooks)
+
+
+def _module_changes(block: Module, was: object, hooks: bool) -> list:
+    """:func:`rebound` for a module: what its dicts hold now that the forward's ``was`` did not."""
     owners = _structure(block).owners(block, hooks)
     dicts = [getattr(m, store) for m, store in owners]
     changes: list = []

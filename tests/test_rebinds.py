@@ -1,0 +1,187 @@
+"""A parameter re-bound between the forward and a recompute (CKG110), the way meta-optimizers do it (issue 27, §1).
+
+``torchopt.MetaSGD`` and ``higher``'s differentiable optimizers replace a module's
+parameters with new tensors after the inner loss's backward; the outer backward then
+recomputes the inner forward a second time, after the re-bind, and torch's recompute
+reads the new weights.  Each composition runs three ways: without checkpointing (the
+reference), raw torch checkpointing, and guarded, across the ways a block is handed to
+checkpoint (the module, its bound method, a lambda closing over the module: the last was
+unseen before).  Expectations come from the table: CKG110's claim on the installed torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+import ckpt_guard
+from ckpt_guard import CheckpointCompositionError, CheckpointCompositionWarning
+from ckpt_guard._rules import rule_by_id
+from ckpt_guard._versions import installed
+
+RULE = rule_by_id("CKG110")
+HOLDS = RULE.holds_on(installed())
+BLOCKS = ("module", "method", "lambda")
+
+
+class Net(nn.Module):
+    def __init__(self, how: str, entry: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.how, self.entry = how, entry
+
+    def block(self, h):
+        return torch.tanh(self.fc1(h))
+
+    def forward(self, x):
+        function = {
+            "module": nn.Sequential(self.fc1, nn.Tanh()),
+            "method": self.block,
+            "lambda": lambda h: torch.tanh(self.fc1(h)),
+        }[self.how]
+        if self.entry == "plain":
+            h = function(x)
+        elif self.entry == "torch":
+            h = checkpoint(function, x, use_reentrant=False)
+        else:
+            h = ckpt_guard.checkpoint(function, x)
+        return self.fc2(h)
+
+
+def _data():
+    torch.manual_seed(1)
+    return torch.randn(5, 4), torch.randn(5, 1), torch.randn(5, 4), torch.randn(5, 1)
+
+
+def reduced_maml(how: str, entry: str) -> list:
+    """The issue's reduction: an inner step that re-binds ``fc1.weight``, then the outer loss."""
+    torch.manual_seed(0)
+    net = Net(how, entry)
+    xs, ys, xq, yq = _data()
+    w0, b0 = net.fc1.weight, net.fc1.bias
+    inner = ((net(xs) - ys) ** 2).mean()
+    gw, gb = torch.autograd.grad(inner, (w0, b0), create_graph=True)
+    del net.fc1.weight, net.fc1.bias
+    net.fc1.weight, net.fc1.bias = w0 - 0.1 * gw, b0 - 0.1 * gb  # re-bound, not updated in place
+    ((net(xq) - yq) ** 2).mean().backward()
+    return [w0.grad, b0.grad, net.fc2.weight.grad]
+
+
+def torchopt_maml(how: str, entry: str) -> list:
+    torchopt = pytest.importorskip("torchopt", reason="torchopt is a test extra; not installed here")
+    torch.manual_seed(0)
+    net = Net(how, entry)
+    xs, ys, xq, yq = _data()
+    state = torchopt.extract_state_dict(net)
+    inner = torchopt.MetaSGD(net, lr=0.1)
+    for _ in range(2):
+        inner.step(((net(xs) - ys) ** 2).mean())
+    ((net(xq) - yq) ** 2).mean().backward()
+    torchopt.recover_state_dict(net, state)
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def higher_maml(how: str, entry: str) -> list:
+    higher = pytest.importorskip("higher", reason="higher is a test extra; not installed here")
+    torch.manual_seed(0)
+    net = Net(how, entry)
+    xs, ys, xq, yq = _data()
+    with higher.innerloop_ctx(net, torch.optim.SGD(net.parameters(), lr=0.1), copy_initial_weights=False) as (
+        fnet, diffopt,
+    ):
+        for _ in range(2):
+            diffopt.step(((fnet(xs) - ys) ** 2).mean())
+        ((fnet(xq) - yq) ** 2).mean().backward()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def _close(got, reference) -> bool:
+    return all(torch.allclose(g, r, rtol=1e-4, atol=1e-6) for g, r in zip(got, reference))
+
+
+def _under(policy: str, run, *args):
+    ckpt_guard.install(policy, rules={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run(*args)
+    finally:
+        ckpt_guard.uninstall()
+    return result, [w.message for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
+
+
+@pytest.mark.parametrize("how", BLOCKS)
+@pytest.mark.parametrize("run", [reduced_maml, torchopt_maml], ids=["reduced", "torchopt.MetaSGD"])
+def test_a_re_bind_before_the_second_recompute_is_caught_for_every_way_a_block_is_given(run, how):
+    reference = run(how, "plain")
+    raw = run(how, "torch")
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()} (the table: {RULE.torch_versions})")
+    assert not _close(raw, reference)  # torch: silently wrong, as the table says
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]"):
+        _under("strict", run, how, "torch")
+    warned, messages = _under("warn", run, how, "torch")
+    assert [m.rule.id for m in messages] and {m.rule.id for m in messages} == {"CKG110"}
+    for w, r in zip(warned, raw):
+        assert torch.equal(w, r)  # warn: exactly what torch does
+    repaired, messages = _under("fallback", run, how, "torch")
+    assert {m.rule.id for m in messages} == {"CKG110"}
+    for g, r in zip(repaired, reference):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.parametrize("how", BLOCKS)
+@pytest.mark.parametrize("run", [reduced_maml, torchopt_maml], ids=["reduced", "torchopt.MetaSGD"])
+def test_ckpt_guard_checkpoint_without_install_applies_the_same_rule(run, how, monkeypatch):
+    """Outside torch.func ckpt_guard.checkpoint is torch's checkpoint; with nothing installed its
+    recomputes are checked all the same, under the environment's policy."""
+    assert not ckpt_guard.is_installed()
+    reference = run(how, "plain")
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
+    monkeypatch.setenv("CKPT_GUARD_POLICY", "strict")
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]"):
+        run(how, "guard")
+    monkeypatch.setenv("CKPT_GUARD_POLICY", "fallback")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        got = run(how, "guard")
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+
+
+def test_higher_innerloop_with_a_closure_block_is_caught_and_fallback_refuses_what_it_cannot_replay():
+    """higher's functional modules keep their fast weights behind a ``__setattr__`` of their own: the
+    guard cannot bind the forward's tensors there for one recompute, so fallback raises as strict
+    (docs/limits.md) rather than let the recompute read the new weights."""
+    reference = higher_maml("lambda", "plain")
+    raw = higher_maml("lambda", "torch")
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
+    assert not _close(raw, reference)
+    for policy in ("strict", "fallback"):
+        with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]"):
+            _under(policy, higher_maml, "lambda", "torch")
+
+
+@pytest.mark.parametrize("how", BLOCKS)
+def test_a_functional_call_swap_is_reported_once_as_ckg101_not_also_as_ckg110(how):
+    """The tensors a swap puts in are re-bound too when it ends; one cause, one warning."""
+    torch.manual_seed(0)
+    net = Net(how, "torch")
+    params = {k: v.detach().clone().requires_grad_() for k, v in net.named_parameters()}
+    x = torch.randn(5, 4)
+    ckpt_guard.install("warn", rules={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            functional_call(net, params, (x,)).sum().backward()  # the backward runs after the swap ended
+    finally:
+        ckpt_guard.uninstall()
+    ids = [w.message.rule.id for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
+    assert "CKG110" not in ids and ids.count("CKG101") <= 1, ids
