@@ -52,7 +52,7 @@ from torch._C._functorch import get_unwrapped as _get_unwrapped, is_batchedtenso
 from torch._C._functorch import maybe_get_level as _maybe_get_level
 from torch.overrides import TorchFunctionMode
 
-from .._state import is_user_generator
+from .._state import is_user_generator, requires_grad_anywhere
 
 Tensor = torch.Tensor
 
@@ -292,7 +292,7 @@ class ReadCheck(TorchFunctionMode):
                     if i in self.before:
                         continue
                     source = self.sources[i]
-                    if name in _IDEMPOTENT_NO_GRAD_WRITES and _requires_grad_anywhere(source):
+                    if name in _IDEMPOTENT_NO_GRAD_WRITES and requires_grad_anywhere(source):
                         # no part of what is differentiated, and a no-op on what it wrote: the
                         # recompute starts from the current value (a copy of it)
                         self.rewritten.add(i)
@@ -364,15 +364,6 @@ def _batched_below(t: Tensor) -> bool:
             return True
         t = _get_unwrapped(t)
     return False
-
-
-def _requires_grad_anywhere(t: Tensor) -> bool:
-    while True:
-        if t.requires_grad:
-            return True
-        if not is_functorch_wrapped_tensor(t):
-            return False
-        t = _get_unwrapped(t)
 
 
 def _held_by_function_class(cls: type) -> list:
