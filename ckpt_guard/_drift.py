@@ -368,6 +368,33 @@ def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed
     return relevant is None or relevant(function, was, now)
 
 
+def _quiet_contents_replay(
+    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
+    only: Optional[frozenset],
+) -> list:
+    """CKG112 where only Python values changed (a counter, a log, a step): the replay, no report.
+
+    Under strict and fallback, recomputing with the values the forward read
+    and putting the new ones back after is the uncheckpointed program, read
+    or not, so strict need not stop a program for a counter (issue 27), nor
+    fallback warn about one.  Warn behaves as torch and says so where a
+    gradient can depend on the change (a value replaced).
+    """
+    was, now = forward_state[_CONTENTS_INDEX], state[_CONTENTS_INDEX]
+    if not (
+        was
+        and (only is None or _CONTENTS_RULE.read in only)
+        and _DRIFT_HOLDS[_CONTENTS_INDEX]
+        and (reentrant or _DRIFT_NON_REENTRANT[_CONTENTS_INDEX])
+        and config.policy_for(_CONTENTS_RULE.id) in ("strict", "fallback")
+        and _differs(was, now)
+        and _state.values_only(was)
+    ):
+        return []
+    replay = _replay(_CONTENTS_RULE, was, now, function)
+    return [replay[0]] if replay else []
+
+
 def report_drift(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
     site: tuple, modes_managed: bool = False, only: Optional[frozenset] = None,
@@ -386,17 +413,20 @@ def report_drift(
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
+    quiet = _quiet_contents_replay(function, reentrant, config, forward_state, state, only)
+    if quiet:
+        changed = [index for index in changed if index != _CONTENTS_INDEX]
     if _BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
         # a functional_call swap began or ended between the forward and now: the tensors it swapped
         # are re-bound too, and CKG101 (the swap) is the one cause to report, not also CKG110
         changed.remove(_BINDINGS_INDEX)
     if not changed:
-        return []
+        return quiet
     forward_site_text = _describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
     transforms = _state.describe_transforms(forward_state[_TRANSFORMS_INDEX])
     variant = describe_variant(reentrant, None)
-    replays = []
+    replays = quiet
     for index in changed:
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]

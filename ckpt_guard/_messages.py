@@ -426,6 +426,12 @@ def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
             "returns silently wrong gradients: the recompute runs under the forward's mode object, but "
             "with the state it has now (the forward moved it on), so it computes other values"
         )
+    if rule.read == "argument_contents" and _state.values_only(was):
+        return (
+            "recomputes with the Python value as the forward left it (a counter, a step, a position), "
+            "and the block changes it a second time: silently wrong gradients where the "
+            "block computes with that value, none where it only counts"
+        )
     if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was) and not any(
         name == "jvp" for name, _ in now
     ):
@@ -468,6 +474,12 @@ def _case_remedy(rule: Rule, was: Any, now: Any, repaired: bool = False) -> str:
             "the mode is marked @ckpt_guard.replayable_mode: policy fallback for this rule (next line) "
             "makes this call right and keeps its memory saving (a non-reentrant call on torch < 2.8 "
             "runs without checkpointing); or keep the mode out of the checkpointed region"
+        )
+    if rule.read == "argument_contents" and _state.values_only(was):
+        return (
+            "nothing to change where the value only counts; policy strict or fallback recomputes with "
+            "the value the forward read and puts the new one back after, without a word (exact "
+            "either way); warn only reports it"
         )
     if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was):
         return (

@@ -1160,7 +1160,11 @@ _DRIFT_RULES = [
             "block was given (an argument, a keyword argument, what a functools.partial of it binds, "
             "its closure variable) changed: a KV cache the block appends to in its own forward, a "
             "list it collects into, a dict or object (a Cache class) whose entries were replaced, a "
-            "tensor in it updated in place"
+            "tensor in it updated in place. Where only Python values changed (a counter, a step "
+            "number, a position, a log of strings, a memo of numbers), strict and fallback recompute "
+            "with the values the forward read and put the new ones back after, without a word: "
+            "that is the uncheckpointed program whether or not the block computes with them; warn "
+            "reports a value replaced"
         ),
         symptom=(
             "reentrant: returns silently wrong gradients (the recompute reads the changed contents, "

@@ -24,6 +24,7 @@ Also here: the guard respects the RNG state (dropout recompute), and
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import subprocess
 import sys
@@ -38,6 +39,8 @@ import torch.utils.checkpoint as tuc
 # so every test sees the same, deterministic patching of their module globals.
 import torch.distributed._composable.checkpoint_activation as composable_module  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
+
+from conftest import assert_all_close, assert_all_equal
 
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionWarning
@@ -216,6 +219,156 @@ def test_known_false_alarm(strict_guard, composition, variant):
 def test_composition_names_are_unique():
     names = [c.name for c in SAFE_COMPOSITIONS + KNOWN_FALSE_ALARMS]
     assert len(names) == len(set(names))
+
+
+# --------------------------------------------------------------------------
+# Python state a block keeps (issue 27, section 2): counters, logs, memo dicts,
+# config objects, a module's step number.  Torch's gradients are right; strict
+# (the default) and fallback stay silent, keep torch's gradients bitwise, and
+# leave the Python state as the uncheckpointed program does (a counter bumped
+# once: the recompute runs with the forward's value, put back after).  The line:
+# only Python values replaced (numbers, strings, shapes) are repaired without a
+# word; a tensor that came or went (a KV cache) stays a catch, below.
+
+
+class _Config:
+    def __init__(self):
+        self.scale, self.name = 1.0, "block"
+
+
+class _SteppedBlock(torch.nn.Module):
+    """``self.step += 1`` in forward, as schedulers and logging wrappers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.step = torch.nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.step += 1
+        return self.linear(x).tanh()
+
+
+def _python_state(pattern):
+    """``(state, side_effect(state, t))`` for one pattern of Python state a block keeps."""
+    if pattern == "counter-in-a-list":
+        def effect(st, t):
+            st[0] += 1
+        return [0], effect
+    if pattern == "counter-in-a-dict":
+        def effect(st, t):
+            st["calls"] = st.get("calls", 0) + 1
+        return {"calls": 0}, effect
+    if pattern == "counter-on-an-object":
+        def effect(st, t):
+            st.calls += 1
+        state = _Config()
+        state.calls = 0
+        return state, effect
+    if pattern == "log-of-strings":
+        def effect(st, t):
+            st.append(f"block called on {tuple(t.shape)}")
+        return [], effect
+    if pattern == "memo-of-numbers":
+        def effect(st, t):
+            st[tuple(t.shape)] = st.get(tuple(t.shape), 0) + t.shape.numel()
+        return {(1, 1): 1}, effect
+    if pattern == "stats-of-floats":
+        def effect(st, t):
+            st["norm"] = float(t.detach().norm())
+            st["seen"] = st.get("seen", 0) + 1
+        return {}, effect
+    if pattern == "config-read-only":
+        def effect(st, t):
+            assert st.name == "block"
+        return _Config(), effect
+    raise AssertionError(pattern)
+
+
+PYTHON_STATE_PATTERNS = [
+    "counter-in-a-list", "counter-in-a-dict", "counter-on-an-object", "log-of-strings",
+    "memo-of-numbers", "stats-of-floats", "config-read-only",
+]
+
+
+def _python_state_step(ckpt, pattern, way, use_reentrant):
+    """One step: ``[output, x.grad, parameter grads]`` and the Python state after it (as a repr)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    if pattern == "module-step":
+        block = _SteppedBlock()
+        run, args, state = block, (x,), block
+    else:
+        linear = torch.nn.Linear(4, 4)
+        state, effect = _python_state(pattern)
+
+        def body(t, st):
+            effect(st, t)
+            return linear(t).tanh()
+
+        block = linear
+        if way == "argument":
+            run, args = body, (x, state)
+        elif way == "partial":
+            run, args = functools.partial(body, st=state), (x,)
+        else:  # a closure
+            run, args = (lambda t: body(t, state)), (x,)
+    y = ckpt(run, *args, use_reentrant=use_reentrant) if ckpt else run(*args)
+    y.pow(2).sum().backward()
+    grads = [y.detach(), x.grad, *(p.grad for p in block.parameters())]
+    seen = state.step if pattern == "module-step" else (vars(state) if isinstance(state, _Config) else state)
+    return grads, repr(seen)
+
+
+PYTHON_STATE_CASES = [
+    pytest.param(pattern, way, ur, id=f"{pattern}-{way}-{'reentrant' if ur else 'non-reentrant'}")
+    for pattern in (*PYTHON_STATE_PATTERNS, "module-step")
+    for way in (("self",) if pattern == "module-step" else ("closure", "argument", "partial"))
+    for ur in (True, False)
+]
+
+
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+@pytest.mark.parametrize(("pattern", "way", "use_reentrant"), PYTHON_STATE_CASES)
+def test_python_state_a_block_keeps_is_no_alarm(pattern, way, use_reentrant, policy):
+    reference, reference_state = _python_state_step(None, pattern, way, use_reentrant)
+    raw, raw_state = _python_state_step(tuc.checkpoint, pattern, way, use_reentrant)
+    assert_all_close(raw, reference)  # torch's gradients are right here
+    ckpt_guard.install(policy)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            guarded, guarded_state = _python_state_step(tuc.checkpoint, pattern, way, use_reentrant)
+    finally:
+        ckpt_guard.uninstall()
+    assert_all_equal(guarded, raw)
+    if pattern == "module-step":
+        # a module's own Python attributes are not watched (only its tensors, hooks and train/eval
+        # flag are): the recompute steps it again, as torch does
+        assert guarded_state == raw_state
+    else:
+        assert guarded_state == reference_state  # the side effect happened once, as without checkpointing
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("way", ["closure", "argument", "partial"])
+def test_a_kv_cache_in_a_closure_stays_a_catch(strict_guard, way, use_reentrant):
+    """Where the line is: tensors appended to a list the block is given are a cache the recompute reads grown."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    cache = [torch.randn(3, 4)]
+
+    def body(t, kv):
+        kv.append(linear(t))
+        return (linear(t) @ torch.cat(kv).T).softmax(-1) @ torch.cat(kv)
+
+    run, args = {
+        "closure": (lambda t: body(t, cache), (x,)),
+        "argument": (body, (x, cache)),
+        "partial": (functools.partial(body, kv=cache), (x,)),
+    }[way]
+    with pytest.raises(ckpt_guard.CheckpointCompositionError, match=r"\[CKG112\][\s\S]*1 item → 2 items"):
+        tuc.checkpoint(run, *args, use_reentrant=use_reentrant).sum().backward()
 
 
 # --------------------------------------------------------------------------

@@ -137,6 +137,7 @@ from .contents import (  # noqa: F401
     is_user_generator,
     moved_generators,
     replayable,
+    values_only,
     replaying_contents,
     replaying_generators,
     restore_contents,

@@ -376,6 +376,27 @@ def changed_contents(was: tuple) -> list:
     ]
 
 
+def values_only(was: tuple) -> bool:
+    """Whether everything that changed in ``was`` is Python values, which a replay makes exact.
+
+    A counter (``calls[0] += 1``), a step number, a position, a log of
+    strings, a memo of numbers, a flag: no tensor came, went or was updated
+    in place, every value that came, went or was replaced is a number,
+    string, shape or tuple of such (a KV cache, where tensors come, is never
+    one).  The recompute differs from the forward only where the block
+    computes with such a value, and recomputing with the values the forward
+    read, the new ones put back after, is exactly the uncheckpointed program
+    either way (the log gets its line once): strict and fallback repair it
+    without a word.
+    """
+    changed = changed_at_all(was)
+    return bool(changed) and replayable(changed) and all(
+        _immutable(value)
+        for _, container, kind, recorded in changed
+        for value in _moved(_shallow(container, kind), recorded, kind)
+    )
+
+
 def _same_value(a: object, b: object) -> bool:
     """The same object, or equal immutable values (a number, a shape, a tuple of them made anew)."""
     if a is b:
@@ -443,6 +464,10 @@ def describe_contents_change(was: tuple, now: tuple = ()) -> str:
             continue
         what = f"a {type(value).__name__}" if kind == "object" else f"a {kind}"
         current = _shallow(value, kind)
+        values = _values_replaced(recorded, current, kind)
+        if values:
+            parts.append(f"{path} ({what}): {values}")
+            continue
         if kind == "object" and not _is_long(recorded):
             before, after = dict(recorded), dict(current)
             names = [k for k in {**before, **after} if after.get(k, _GONE) is not before.get(k, _GONE)]
@@ -454,6 +479,26 @@ def describe_contents_change(was: tuple, now: tuple = ()) -> str:
             "" if now_len != was_len else ", other values"
         ))
     return "; ".join(parts) or "what the block was given changed"
+
+
+def _values_replaced(was: tuple, now: tuple, kind: str, shown: int = 3) -> str:
+    """``[0]: 0 → 1`` for Python values replaced in a container of unchanged keys; "" otherwise."""
+    if _is_long(was) or _is_long(now):
+        return ""
+    before = dict(enumerate(was)) if kind == "list" else dict(was)
+    after = dict(enumerate(now)) if kind == "list" else dict(now)
+    if before.keys() != after.keys():
+        return ""
+    replaced = [key for key in after if not _same_value(after[key], before[key])]
+    if not replaced or not all(_immutable(before[k]) and _immutable(after[k]) for k in replaced):
+        return ""
+    def name(key: object) -> str:
+        return f".{key}" if kind == "object" else f"[{key!r}]"
+    def short(value: object) -> str:
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+    text = ", ".join(f"{name(k)}: {short(before[k])} → {short(after[k])}" for k in replaced[:shown])
+    return text + (f" and {len(replaced) - shown} more" if len(replaced) > shown else "")
 
 
 def _count(n: int) -> str:
