@@ -572,3 +572,27 @@ def test_reentrant_fallback_cannot_run_again_a_forward_that_updated_a_buffer():
     x = torch.randn(3, 4, requires_grad=True)
     with ckpt_guard.policy("fallback"), pytest.raises(CheckpointCompositionError, match=r"updated a tensor in place, a buffer, an input"):
         checkpoint(functools.partial(run), x, [torch.ones(3, 4)], use_reentrant=True)
+
+
+def test_the_guards_own_record_bound_by_a_partial_is_not_the_users_state():
+    """Issue 27: CKG112 named the guard's own ``_RecordedReads`` ("argument 1 bound by a functools.partial
+    (a _RecordedReads): forward changed"), which ckpt_guard.checkpoint binds under an untracked swap and
+    fills in the forward. The snapshot leaves the guard's objects out; a user's object of the same shape
+    is still watched."""
+    from ckpt_guard._composable import entry
+    from ckpt_guard._state import argument_contents
+
+    def block(t):
+        return t.tanh()
+
+    recorder = entry._RecordedReads([], entry._SWAP_RULE, "strict", "here", {}, "")
+    bound = functools.partial(types.MethodType(entry._run_recorded, block), recorder)
+    x = torch.randn(3, requires_grad=True)
+    assert argument_contents(bound, (x,)) == ()
+
+    class UsersRecord:
+        def __init__(self):
+            self.forward = None
+
+    users = functools.partial(lambda record, t: t.tanh(), UsersRecord())
+    assert [entry[2] for entry in argument_contents(users, (x,))] == ["object"]

@@ -76,8 +76,8 @@ def _container_kind(value: object) -> Optional[str]:
     if isinstance(value, (Tensor, Module, tuple, type, types.FunctionType, types.MethodType, functools.partial)):
         return None
     root = (getattr(type(value), "__module__", None) or "").split(".")[0]
-    if root in _reads._LIBRARY_ROOTS or _object_state(value) is None:
-        return None
+    if root in _reads._LIBRARY_ROOTS or root == "ckpt_guard" or _object_state(value) is None:
+        return None  # the guard's own objects (the record ckpt_guard.checkpoint binds) are not the user's state
     return "object"
 
 
