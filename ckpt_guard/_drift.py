@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _state
+from . import _composable, _config, _events, _files, _state
 from ._composable import binding as _rebind
 from ._actions import NO_CHECKPOINT, PROCEED, _DRIFT_HOLDS, _DRIFT_NON_REENTRANT
 from ._exceptions import CheckpointCompositionError
@@ -98,8 +98,7 @@ def _compile_capture(readers: tuple) -> Any:
     )
     source = f"def capture(function, inputs=(), keywords=None):\n{reads}    return ({', '.join(parts)},)\n"
     # Filed under this file: dynamo skips it, and call-site walks count it as the guard's.
-    exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - generated from the rule table
-    return namespace["capture"]
+    return _files.compile_generated(source, __file__, "capture", namespace)
 
 
 #: ``capture(function, inputs=(), keywords=None)``: the recompute-relevant

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Any
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,3 +42,19 @@ DYNAMO_SKIPPED = tuple(
     (pathlib.Path(PACKAGE_DIR) / name).as_posix()
     for name in ("_patch.py", "_layouts.py", "_config.py", "_events.py", *DECISION, *STATE)
 )
+
+
+def compile_generated(source: str, filename: str, name: str, namespace: dict) -> Any:
+    """The function ``name`` defined by generated ``source``, run in ``namespace``, filed under ``filename``.
+
+    Filed under the guard's file so that dynamo skips it and the call-site walk
+    counts it as the guard's; placed past that file's last line so that a
+    traceback through it never shows an unrelated line of the file (a
+    docstring) as its source: it reads ``line N, in generated_<name>`` and
+    the function is named as generated.
+    """
+    with open(filename, encoding="utf-8") as handle:
+        past_the_end = sum(1 for _ in handle) + 1
+    code = compile("\n" * past_the_end + source.replace(f"def {name}(", f"def generated_{name}(", 1), filename, "exec")
+    exec(code, namespace)  # noqa: S102 - the guard's own generated code
+    return namespace[f"generated_{name}"]

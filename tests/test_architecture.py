@@ -119,3 +119,36 @@ def test_explain_is_byte_identical_to_the_recorded_text(rule_id):
 
 def test_every_rule_has_a_recorded_explain_text():
     assert sorted(name[:-4] for name in os.listdir(GOLDEN)) == sorted(RULE_IDS)
+
+
+def test_generated_code_is_attributed_past_its_files_end_never_to_a_docstring_line():
+    """Issue 27: a traceback through the generated block snapshot showed a line of the file's docstring.
+    The generated functions (the drift capture, the block snapshot) are filed under the guard's own file
+    (dynamo skips it), past its last line, and named generated_*."""
+    import traceback
+
+    import torch
+
+    from ckpt_guard import _drift, _files
+    from ckpt_guard._state import modules
+
+    def lines_of(path):
+        with open(path, encoding="utf-8") as handle:
+            return sum(1 for _ in handle)
+
+    block = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+    assert modules.block_snapshot(block)  # a snapshot compiled for this shape
+    generated = [_drift.capture, *modules._snapshots.values()]
+    assert len(generated) >= 2
+    for function in generated:
+        code = function.__code__
+        assert code.co_name.startswith("generated_"), code.co_name
+        assert code.co_firstlineno > lines_of(code.co_filename), (code.co_filename, code.co_firstlineno)
+
+    failing = _files.compile_generated("def boom(x):\n    return 1 // x\n", _files.__file__, "boom", {})
+    try:
+        failing(0)
+    except ZeroDivisionError as error:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+    assert frame.filename == _files.__file__ and frame.name == "generated_boom"
+    assert frame.lineno > lines_of(_files.__file__) and not frame.line  # no unrelated source line shown

@@ -71,7 +71,23 @@ def _blocks():
         "a module with a __getattr__ for every name and a raising property": _Loud,
         "a C function (torch.tanh)": lambda: torch.tanh,
         "a scripted function": lambda: torch.jit.script(_tanh_twice),
+        "a torch.compile'd module": lambda: torch.compile(_sequential(), backend="eager"),
+        "an fx GraphModule": lambda: torch.fx.symbolic_trace(_sequential()),
+        "an autograd.Function's apply (a C method)": lambda: _Square.apply,
+        "a module behind a C-level partial and a bound __call__": lambda: functools.partial(_sequential().__call__),
     }
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
 
 
 def _tanh_twice(x: torch.Tensor) -> torch.Tensor:
@@ -132,3 +148,40 @@ def test_a_scripted_module_under_a_transform_is_refused_by_class_never_a_crash()
         warnings.simplefilter("ignore")
         got = grad(lambda t: ckpt_guard.checkpoint(scripted, t).pow(2).sum())(x)
     torch.testing.assert_close(got, expected)
+
+
+def _public_outcome(block):
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    params = [p for p in getattr(block, "parameters", lambda: [])()] if hasattr(block, "parameters") else []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt_guard.checkpoint(block, x).pow(2).sum().backward()
+    except Exception as error:  # noqa: BLE001 - compared with torch's own
+        return type(error)
+    return [x.grad, *[p.grad for p in params]]
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["not-installed", "installed-strict"])
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_ckpt_guard_checkpoint_degrades_to_torchs_behaviour_on_the_same_blocks(kind, installed, monkeypatch):
+    """ckpt_guard.checkpoint outside transforms is torch's non-reentrant checkpoint, checked at each
+    recompute without install() under the environment's policy (strict here): the same outcome."""
+    monkeypatch.setenv("CKPT_GUARD_POLICY", "strict")
+    ckpt_guard.uninstall()
+    raw = _outcome(BLOCKS[kind](), False)
+    if installed:
+        ckpt_guard.install("strict")
+    try:
+        guarded = _public_outcome(BLOCKS[kind]())
+    finally:
+        ckpt_guard.uninstall()
+    if isinstance(raw, type):
+        assert guarded is raw, f"torch raised {raw.__name__}, the guard {guarded}"
+        return
+    assert not isinstance(guarded, type), f"torch ran it; the guard raised {guarded.__name__}"
+    assert len(guarded) == len(raw)
+    for g, r in zip(guarded, raw):
+        assert (g is None) == (r is None)
+        if r is not None:
+            assert torch.equal(g, r)

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import _files
 from .basics import Module, _GONE, _Generator
 
 
@@ -141,12 +142,12 @@ def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
         "        # nn.Module's (torch.jit.script's dicts are wrappers dict.copy does not take)\n"
         "        return None\n"
     )
-    namespace: dict = {"copy": dict.copy}  # a plain dict of each (OrderedDict's copy is slower)
-    # Filed under this file: dynamo skips it (torch 2.4's dynamo, tracing a generated file, fails on dict.copy)
-    exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 - from the module's shape
+    # a plain dict of each (OrderedDict's copy is slower); filed under this file: dynamo skips it
+    # (torch 2.4's dynamo, tracing a generated file, fails on dict.copy)
+    made = _files.compile_generated(source, __file__, "snapshot", {"copy": dict.copy})
     if len(_snapshots) >= 1024:
         _snapshots.clear()
-    snapshot = _snapshots[shape] = namespace["snapshot"]
+    snapshot = _snapshots[shape] = made
     return snapshot
 
 
