@@ -133,10 +133,12 @@ class _RecordedReads:
         self.refused = refused
         self.forward: Optional[dict] = None  # id -> tensor
 
-    def compare(self, recompute: dict) -> None:
+    def compare(self, recompute: dict, stopped: bool = False) -> None:
+        """Report the recompute's reads that differ from the forward's (``stopped``: it raised part-way,
+        so what it did not reach yet is not missing)."""
         forward = self.forward or {}
         other = [t for key, t in recompute.items() if forward.get(key) is not t]
-        missing = [t for key, t in forward.items() if recompute.get(key) is not t]
+        missing = [] if stopped else [t for key, t in forward.items() if recompute.get(key) is not t]
         if not other and not missing:
             return
         parts = [f"read {len(other)} tensor(s) needing a gradient that the forward did not"] if other else []
@@ -156,12 +158,20 @@ class _RecordedReads:
 def _run_recorded(function: Any, recorder: _RecordedReads, *args: Any, **kwargs: Any) -> Any:
     """The block, its outside reads recorded: the forward's kept, the recompute's compared with them."""
     reads = _proof.CapturedReads(recorder.given)
-    with reads:
-        output = function(*args, **kwargs)
     if recorder.forward is None:
+        with reads:
+            output = function(*args, **kwargs)
         recorder.forward = reads.captured
-    else:
-        recorder.compare(reads.captured)
+        return output
+    try:
+        with reads:
+            output = function(*args, **kwargs)
+    except Exception:
+        # torch (or a subclass: ExpandedWeights) raised part-way through a recompute that read other
+        # tensors: the rule explains why (strict raises it; warn says it, then torch's error goes on)
+        recorder.compare(reads.captured, stopped=True)
+        raise
+    recorder.compare(reads.captured)
     return output
 
 

@@ -52,7 +52,7 @@ from torch._C._functorch import get_unwrapped as _get_unwrapped, is_batchedtenso
 from torch._C._functorch import maybe_get_level as _maybe_get_level
 from torch.overrides import TorchFunctionMode
 
-from .._state import is_user_generator, requires_grad_anywhere
+from .._state import is_user_generator, requires_grad_anywhere, requires_grad_of
 
 Tensor = torch.Tensor
 
@@ -420,7 +420,7 @@ class CapturedReads(TorchFunctionMode):
         known, captured = self.known, self.captured
         for arg in (*args, *(kwargs or {}).values()):
             for item in (arg if isinstance(arg, (list, tuple)) else (arg,)):
-                if isinstance(item, Tensor) and id(item) not in known and item.requires_grad:
+                if isinstance(item, Tensor) and id(item) not in known and requires_grad_of(item):
                     captured.setdefault(id(item), item)
         out = func(*args, **(kwargs or {}))
         for item in (out if isinstance(out, (list, tuple)) else (out,)):

@@ -64,6 +64,7 @@ from .basics import (  # noqa: F401
     _len_function_stack,
     is_grad_enabled,
     requires_grad_anywhere,
+    requires_grad_of,
     saved_tensor_hooks_enabled,
 )
 from .transforms import (  # noqa: F401

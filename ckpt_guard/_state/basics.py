@@ -36,10 +36,27 @@ def _version_of(tensor: Tensor) -> Optional[int]:
         return None
 
 
+_NO_SUBCLASS_FUNCTIONS = torch._C.DisableTorchFunctionSubclass
+
+
+def requires_grad_of(t: Tensor) -> bool:
+    """``t.requires_grad``, also for a subclass whose ``__torch_function__`` refuses the read.
+
+    torch's ExpandedWeights (Opacus' per-sample gradients, ``call_for_per_sample_grads``)
+    raises "cannot handle function __get__" for it: the guard's look must never be
+    what fails, so it reads past the subclass there (a try costs nothing when it holds).
+    """
+    try:
+        return t.requires_grad
+    except Exception:  # noqa: BLE001 - the subclass's own refusal, not the user's error
+        with _NO_SUBCLASS_FUNCTIONS():
+            return t.requires_grad
+
+
 def requires_grad_anywhere(t: Tensor) -> bool:
     """``requires_grad`` seen through functorch wrappers (a vmapped tensor says False)."""
     while True:
-        if t.requires_grad:
+        if requires_grad_of(t):
             return True
         if not is_functorch_wrapped_tensor(t):
             return False
