@@ -127,6 +127,14 @@ def checkpoint(
     installed release (``determinism_check``, ``debug``, ...): they go to
     torch's checkpoint where it runs, never to ``function``.
     ``use_reentrant=False`` is accepted (it is what this is); ``True`` is an error.
+
+    ``respect_saved_tensors_hooks`` (torch >= 2.15, pytorch#190581): whether the
+    tensors selective checkpointing (``context_fn``) saves go through the
+    ``saved_tensors_hooks`` around the call (``save_on_cpu``), as every other
+    saved tensor does.  Left out, ckpt_guard.checkpoint passes ``True``, the
+    default torch has announced, so it never triggers torch's FutureWarning
+    about the change; ``False`` keeps torch's old behaviour.  Before 2.15 those
+    tensors always bypass the hooks: ``True`` is then an error.
     """
     use_reentrant = kwargs.pop("use_reentrant", None)
     if use_reentrant:
@@ -137,6 +145,9 @@ def checkpoint(
         )
     import torch
 
+    from ._composable.entry import saved_tensors_hooks_option
+
+    kwargs.update(saved_tensors_hooks_option(kwargs.pop("respect_saved_tensors_hooks", None)))
     if torch.compiler.is_compiling():
         # Dynamo turns torch's checkpoint into its own higher-order op; it cannot trace the
         # guard's checks (the functorch interpreter stack, frames), and needs none: it

@@ -312,6 +312,26 @@ def _probe_selective(ckpt, use_reentrant):
     return [y.detach(), *_grads(x, w1, w2)]
 
 
+def _probe_selective_under_save_on_cpu(ckpt, use_reentrant):
+    """Selective checkpointing inside ``save_on_cpu()``: torch 2.15 warns (FutureWarning) that the tensors
+    it saves bypass the hooks, and will route them through (pytorch#190581, #191236); the values are the same."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    extra = {}
+    if _is_torch_checkpoint(ckpt):
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+    with torch.autograd.graph.save_on_cpu():
+        y = ckpt(lambda u: torch.sin(torch.relu(u @ w1) @ w2), x, **_variant_kwargs(use_reentrant), **extra)
+        y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, w1, w2)]
+
+
 def _probe_autocast(ckpt, use_reentrant):
     """``torch.autocast("cpu", bfloat16)`` around the forward, backward outside it."""
     import torch
@@ -903,6 +923,16 @@ SAFE_COMPOSITIONS: tuple[Composition, ...] = (
         variants=(NON_REENTRANT,),
         probe=_probe_selective,
         torch_range=TorchRange(since=(2, 5)),  # create_selective_checkpoint_contexts is new in 2.5
+    ),
+    Composition(
+        name="selective-checkpoint-under-save-on-cpu",
+        description=(
+            "selective checkpointing inside save_on_cpu(): torch's FutureWarning about "
+            "respect_saved_tensors_hooks (2.15) passes through, nothing added"
+        ),
+        variants=(NON_REENTRANT,),
+        probe=_probe_selective_under_save_on_cpu,
+        torch_range=TorchRange(since=(2, 5)),
     ),
     Composition(
         name="autocast",

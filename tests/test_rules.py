@@ -384,6 +384,49 @@ def test_unpreserved_rng_without_randomness_is_quiet_and_bitwise(use_reentrant):
     assert_all_equal(guarded, raw)
 
 
+@pytest.mark.parametrize("impl", ["NO_REENTRANT", "REENTRANT"])
+def test_a_trainer_wrapping_every_block_with_unpreserved_rng_is_caught(impl):
+    """OLMo-core#828, as a trainer did it: every block wrapped by checkpoint_wrapper(preserve_rng_state=False)
+    with a dropout in it (the loss moved 2.49 vs 2.19 with checkpointing on and off). Raw torch: a fresh mask
+    in each recompute; strict raises CKG107, fallback matches the uncheckpointed gradients."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            return x + self.drop(torch.tanh(self.linear(x)))
+
+    def step(wrap):
+        torch.manual_seed(0)
+        blocks = torch.nn.Sequential(*[wrap(Block()) for _ in range(2)])
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.manual_seed(1)
+        blocks(x).pow(2).sum().backward()
+        return [x.grad, *(p.grad for p in blocks.parameters())]
+
+    wrapped = functools.partial(
+        checkpoint_wrapper, checkpoint_impl=getattr(CheckpointImpl, impl), preserve_rng_state=False
+    )
+    reference = step(lambda block: block)
+    ckpt_guard.uninstall()
+    assert not all_close(step(wrapped), reference)
+    for policy in ("strict", "fallback"):
+        ckpt_guard.install(policy)
+        try:
+            if policy == "strict":
+                with pytest.raises(CheckpointCompositionError, match=r"\[CKG107\]"):
+                    step(wrapped)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", CheckpointCompositionWarning)
+                    assert_all_close(step(wrapped), reference)
+        finally:
+            ckpt_guard.uninstall()
+
+
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_user_exception_passes_through_the_rng_watch(use_reentrant):
     class Boom(Exception):

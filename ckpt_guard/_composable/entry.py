@@ -53,6 +53,34 @@ _TORCH_OPTIONS = frozenset(
 )
 
 
+#: torch's checkpoint routes what selective checkpointing saves through the user's
+#: saved_tensors_hooks when asked (pytorch#190581, torch 2.15); unasked, it warns
+_RESPECTS_HOOKS = "respect_saved_tensors_hooks" in _TORCH_OPTIONS
+
+
+def saved_tensors_hooks_option(value: Optional[bool]) -> dict:
+    """The ``respect_saved_tensors_hooks`` keyword ckpt_guard.checkpoint hands torch's checkpoint.
+
+    Where the installed torch has it: the caller's value, else ``True`` (torch's
+    announced default, and never its FutureWarning).  Where it does not:
+    nothing (those tensors bypass the hooks there), and ``True`` is an error.
+    """
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"ckpt_guard.checkpoint(..., respect_saved_tensors_hooks={value!r}): expected True, False or "
+            "None (left out: True where torch has the option)"
+        )
+    if _RESPECTS_HOOKS:
+        return {"respect_saved_tensors_hooks": True if value is None else value}
+    if value:
+        raise ValueError(
+            f"ckpt_guard.checkpoint(..., respect_saved_tensors_hooks=True): torch {_torch.__version__}'s "
+            "checkpoint has no such option (it is newer: pytorch#190581, in torch 2.15.0): here the tensors "
+            "selective checkpointing saves always bypass saved_tensors_hooks; leave it out, or pass False"
+        )
+    return {}
+
+
 def _untracked_swap(
     function: Any, args: tuple, kwargs: dict, block_kwargs: dict, options: dict, config: _config.Config,
     context_fn: Any, reason: str,
