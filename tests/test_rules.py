@@ -545,3 +545,50 @@ def test_fallback_repairs_two_call_rules_at_once_rrelu_and_unpreserved_rng():
         assert_all_close(run_guarded(probe, False, "fallback"), reference)
     ours = [w.message for w in caught if issubclass(w.category, CheckpointCompositionWarning)]  # torch 2.4 adds a FutureWarning
     assert {re.match(r"\[(CKG\d+)\]", str(message)).group(1) for message in ours} >= {"CKG009", "CKG107"}
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_linearize_over_a_checkpoint_gets_the_forward_ad_rule(use_reentrant):
+    """Issue 27, section 4: torch.func.linearize (a jvp traced at a dual level) over a checkpoint gets the
+    forward-AD rule the table gives the variant on this torch (CKG004 reentrant; CKG007 non-reentrant on
+    torch < 2.12, none after), as the same call under fwAD.dual_level does."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 3)
+    x, tangent = torch.randn(3), torch.randn(3)
+
+    def block(u):
+        return torch.tanh(u @ w)
+
+    def linearized(ckpt):
+        return torch.func.linearize(lambda u: ckpt(block, u), x)[1](tangent)
+
+    reference = linearized(lambda f, u: f(u))
+    expected = "CKG004" if use_reentrant else ("CKG007" if rule_by_id("CKG007").holds_on(installed()) else None)
+    torch_checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=use_reentrant)
+    ckpt_guard.uninstall()
+    if expected:
+        with pytest.raises(Exception) as raw:
+            linearized(torch_checkpoint)
+        assert re.search(rule_by_id(expected).raises_match or ".", str(raw.value))
+        assert not isinstance(raw.value, CheckpointCompositionError)
+    else:
+        raw_value = linearized(torch_checkpoint)
+        torch.testing.assert_close(raw_value, reference)
+    for policy in ("strict", "fallback"):
+        ckpt_guard.install(policy)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if expected and policy == "strict":
+                    with pytest.raises(CheckpointCompositionError, match=rf"\[{expected}\]"):
+                        linearized(torch_checkpoint)
+                    continue
+                got = linearized(torch_checkpoint)
+            rules = {w.message.rule.id for w in caught if issubclass(w.category, CheckpointCompositionWarning)}
+            assert rules == ({expected} if expected else set())
+            if expected:
+                torch.testing.assert_close(got, reference)
+            else:
+                assert torch.equal(got, raw_value)
+        finally:
+            ckpt_guard.uninstall()
