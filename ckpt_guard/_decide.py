@@ -31,8 +31,9 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _state
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
 from ._drift import (
-    _anticipated_rule, _capture_without_mode_records, _checked_call, _device_watched_call, _differs,
-    _is_grad_enabled, _reads_target, anticipate, capture, report_drift, risk_visible,
+    _BINDINGS_INDEX, _anticipated_rule, _capture_without_mode_records, _checked_call, _device_watched_call,
+    _differs, _is_grad_enabled, _reads_target, anticipate, anticipate_own_bindings, capture, report_drift,
+    risk_visible,
 )
 from ._exceptions import CheckpointCompositionError
 from ._messages import (
@@ -213,6 +214,7 @@ _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _rrelu_training = _state.rrelu_training
 _rrelu_seen = _state.rrelu_seen
+_needs_refresh = _state.needs_refresh
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
 # Is torch.fx.symbolic_trace running?  A thread-local flag from torch 2.15 (read
@@ -307,6 +309,9 @@ def prepare_call(
     if may_anticipate and risk_visible(forward_state):
         if anticipate(config, forward_state, reentrant, reads, modes_managed) != PROCEED:
             return NO_CHECKPOINT
+    own_bindings = _needs_refresh(forward_state[_BINDINGS_INDEX])
+    if own_bindings and may_anticipate and anticipate_own_bindings(config, forward_state, reentrant, reads) != PROCEED:
+        return NO_CHECKPOINT
     # The user's call site, for messages: (code, f_lasti); the line number is
     # worked out only if a message needs it.  Inlined fast path: a known call
     # site at the last walk's depth.  (Walking the stack costs ~3 µs; each
@@ -328,6 +333,10 @@ def prepare_call(
     )
     if nested is not None:
         guarded.nested = nested
+    if own_bindings:
+        # its modules bind their own tensors in the forward (higher's): the patch point re-reads them
+        # when the forward ends, and the recompute compares with what the forward read
+        guarded.after_forward = _partial(_state.refresh_after_forward, reads, forward_state[_BINDINGS_INDEX])
     if reentrant and _len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
     if drew is not None:

@@ -669,6 +669,38 @@ def anticipate(
     return NO_CHECKPOINT
 
 
+def anticipate_own_bindings(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:
+    """Fallback for a block whose modules bind their own tensors in the forward: run without checkpointing.
+
+    higher's patched modules set their fast weights from a box of their own at
+    each call: a meta-optimizer step before the recompute makes it read other
+    tensors (CKG110), and binding the forward's tensors for one recompute does
+    not reach that box, so fallback could not repair it then.  Strict waits
+    and raises only if the recompute finds them re-bound.
+    """
+    rule = DRIFT_RULES[_BINDINGS_INDEX]
+    if not _DRIFT_HOLDS[_BINDINGS_INDEX] or config.policy_for(rule.id) != "fallback":
+        return PROCEED
+    site_frame, _ = user_frame(sys._getframe(1))
+    site = describe_site(site_frame)
+    message = build_message(
+        rule, site=site, checkpointed=describe_checkpointed(function, site_frame),
+        from_your_code=describe_site(your_code(site_frame)),
+        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+        variant=describe_variant(reentrant, None), policy="fallback", source=config.source,
+        anticipated=True, worked=True,
+        action=(
+            "ran it without checkpointing (policy fallback): nothing has gone wrong, but its modules "
+            "bind their own tensors in the forward (a class with its own __setattr__, as higher's "
+            "patched modules), so a re-bind before the recompute could not be undone for it "
+            "(policy strict raises if the recompute finds one)"
+        ),
+    )
+    _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")
+    _warn(message, rule, once="no checkpoint")
+    return NO_CHECKPOINT
+
+
 def risk_visible(forward_state: tuple) -> bool:
     """Cheap pre-check for :func:`anticipate`: is any anticipated state non-empty?"""
     for index in _ANTICIPATED_INDICES:

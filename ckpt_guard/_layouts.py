@@ -138,6 +138,32 @@ def watch_forward_rng(inner: Iterator[Any], drew: list) -> Iterator[Any]:
     yield from inner
 
 
+def after_forward_of(decision: Any) -> Any:
+    """What to call when the forward has run (the guarded handle's ``after_forward``), or None."""
+    return getattr(getattr(decision, "function", decision), "after_forward", None)
+
+
+def then_after_forward(inner: Iterator[Any], after: Callable[[], None]) -> Iterator[Any]:
+    """torch's generator, plus ``after()`` once the forward (run between its two steps) has returned."""
+    value = next(inner)
+    try:
+        yield value
+    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
+        try:
+            value = inner.throw(exc)
+        except StopIteration:
+            return
+        yield value
+        return
+    after()
+    yield from inner
+
+
+def _with_after_forward(decision: Any, generator: Iterator[Any]) -> Iterator[Any]:
+    after = after_forward_of(decision)
+    return generator if after is None else then_after_forward(generator, after)
+
+
 # --------------------------------------------------------------------------
 # non-reentrant layouts
 
@@ -196,13 +222,15 @@ def _guard_generator(original: Callable[..., Any], decide: Any) -> Callable[...,
         if decision is NO_CHECKPOINT:
             return run_plainly(decide.forward_context_of(context_fn))
         if type(decision) is EarlyStopOff:
-            return without_early_stop(lambda: original(decision.function, *args, **kwargs))
+            return _with_after_forward(decision, without_early_stop(lambda: original(decision.function, *args, **kwargs)))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
             def start() -> Iterator[Any]:
                 return original(decision.function, decision.preserve_rng_state, *args[1:], **kwargs)
 
-            return watch_forward_rng(without_early_stop(start) if decision.early_stop_off else start(), decision.drew)
-        return original(decision, *args, **kwargs)
+            return _with_after_forward(decision, watch_forward_rng(
+                without_early_stop(start) if decision.early_stop_off else start(), decision.drew
+            ))
+        return _with_after_forward(decision, original(decision, *args, **kwargs))
 
     return _checkpoint_without_reentrant_generator
 
@@ -235,15 +263,17 @@ def _guard_generator_impl(original: Callable[..., Any], decide: Any) -> Callable
         if decision is NO_CHECKPOINT:
             return run_plainly(decide.forward_context_of(context_fn))
         if type(decision) is EarlyStopOff:
-            return without_early_stop(lambda: original(decision.function, args, kwargs, **options))
+            return _with_after_forward(decision, without_early_stop(lambda: original(decision.function, args, kwargs, **options)))
         if type(decision) is RngWatch:  # preserve_rng_state=False: watch the forward
             options["preserve_rng_state"] = decision.preserve_rng_state
 
             def start() -> Iterator[Any]:
                 return original(decision.function, args, kwargs, **options)
 
-            return watch_forward_rng(without_early_stop(start) if decision.early_stop_off else start(), decision.drew)
-        return original(decision, args, kwargs, **options)
+            return _with_after_forward(decision, watch_forward_rng(
+                without_early_stop(start) if decision.early_stop_off else start(), decision.drew
+            ))
+        return _with_after_forward(decision, original(decision, args, kwargs, **options))
 
     return _checkpoint_without_reentrant_generator_impl
 
@@ -352,9 +382,13 @@ def guard_apply(raw_apply: Callable[..., Any], decide: Any) -> classmethod:
         decision = prepare(True, function, args, 0, None, preserve_rng_state)
         if type(decision) is RngWatch:  # preserve_rng_state=False: the forward runs through it
             try:
-                return raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
+                outputs = raw_apply(cls, decision.function, decision.preserve_rng_state, *args)
             except RerunNonReentrant:  # CKG112 under fallback: the forward put a tensor in a cache
                 return non_reentrant(function, decision.preserve_rng_state, args)
+            after = after_forward_of(decision)
+            if after is not None:
+                after()
+            return outputs
         if decision is STEP_ASIDE:
             return raw_apply(cls, function, preserve_rng_state, *args)
         if decision is NO_CHECKPOINT:
@@ -365,6 +399,9 @@ def guard_apply(raw_apply: Callable[..., Any], decide: Any) -> classmethod:
             outputs = raw_apply(cls, decision, preserve_rng_state, *args)
         except RerunNonReentrant:  # CKG112 under fallback: the forward put a tensor in a cache
             return non_reentrant(function, preserve_rng_state, args)
+        after = after_forward_of(decision)
+        if after is not None:  # the block's modules bound their own tensors in the forward: re-read
+            after()
         nested = getattr(decision, "nested", None)
         if nested is not None and nested[0] is not None:  # CKG010 under fallback: its structure back
             return rebuild_nested_output(outputs, nested)

@@ -233,7 +233,11 @@ def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: 
     def block(*inner_args: Any, **inner_kwargs: Any) -> Any:
         if forward[0]:  # torch's forward: the block as given
             forward[0] = False
-            return function(*inner_args, **inner_kwargs)
+            output = function(*inner_args, **inner_kwargs)
+            after = getattr(guarded, "after_forward", None)
+            if after is not None:  # its modules bound their own tensors in the forward: re-read
+                after()
+            return output
         return guarded(*inner_args, **inner_kwargs)  # a recompute: checked first
 
     return _torch_checkpoint.checkpoint(block, *args, **options, **kwargs)

@@ -119,7 +119,9 @@ from .modules import (  # noqa: F401
     describe_training,
     differs,
     module_training,
+    needs_refresh,
     rebound,
+    refresh_after_forward,
     retrained,
     rrelu_seen,
 )

@@ -72,7 +72,10 @@ class _Structure:
         shape = self.shape = tuple(
             (path, len(m._modules), bool(m._parameters), bool(m._buffers)) for path, m in named
         )
-        self.snapshot = _snapshots.get(shape) or _compile_snapshot(shape)
+        # a class that binds its own tensors in its forward (higher's patched modules keep their fast
+        # weights so): what the forward read is what it bound, re-read when the forward ends
+        binds = any(_binds_in_forward(type(m)) for _, m in named)
+        self.snapshot = _snapshots.get((binds, shape)) or _compile_snapshot(shape, binds)
 
     def modules(self, module: Module) -> list:
         """The modules in snapshot order (for messages and replays, not the hot path); [] if the shape changed."""
@@ -109,7 +112,53 @@ def _every_path(module: Module) -> list:
 _snapshots: dict = {}
 
 
-def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
+class InForward(tuple):
+    """The tensor part of a snapshot of a module that binds its own tensors in its forward.
+
+    A class with a ``__setattr__`` of its own outside torch (higher's patched
+    modules set their fast weights from a box at each call): at the call the
+    module still holds what its last call bound, so the patch point re-reads
+    these dict copies, in place, when the forward ends (:func:`refresh_after_forward`).
+    A module of the record that the block does not call is compared too: which
+    modules a forward called is not recorded (higher's ``update_params`` binds
+    every module before the call, so "unchanged in the forward" does not mean
+    "not read"), so a later call binding it differently is a CKG110 under strict
+    (docs/limits.md).
+    """
+
+
+def _binds_in_forward(cls: type) -> bool:
+    return cls.__setattr__ is not Module.__setattr__ and not (cls.__module__ or "").startswith("torch.")
+
+
+def needs_refresh(bindings: object) -> bool:
+    """Whether a captured CKG110 record is re-read when the forward ends (see :class:`InForward`)."""
+    kind = type(bindings)
+    return kind is InForward or (kind is ClosureRead and any(type(t) is InForward for t in bindings[1]))
+
+
+def refresh_after_forward(function: object, recorded: object) -> None:
+    """Re-read, in place, what a block's modules that bind their own tensors bound in the forward just run."""
+    if type(recorded) is ClosureRead:
+        for module, tensors in zip(_held_modules(recorded[0]), recorded[1]):
+            if type(tensors) is InForward:
+                _refresh(module, tensors)
+    elif type(recorded) is InForward:
+        block = _block_module(function)
+        if isinstance(block, Module):
+            _refresh(block, recorded)
+
+
+def _refresh(module: Module, recorded: "InForward") -> None:
+    owners = _structure(module).owners(module, False)
+    if len(owners) != len(recorded):
+        return  # its shape changed in the forward: the recompute compares with the call's record
+    for (owner, store), kept in zip(owners, recorded):
+        kept.clear()
+        kept.update(getattr(owner, store))
+
+
+def _compile_snapshot(shape: tuple, binds: bool = False) -> Callable[[Module], Optional[tuple]]:
     # Each module's __dict__ is read once and subscripted: an attribute read on a
     # module goes through nn.Module's __getattr__ hook, several times slower.  A
     # parameter or buffer dict empty when the shape was taken is checked to be
@@ -136,7 +185,8 @@ def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
         f"{''.join(walk)}"
         f"        if not ({' and '.join(same) or 'True'}):\n"
         "            return None\n"
-        f"        return ({''.join(tensors)}), (({''.join(hooks)}) if {' or '.join(any_hook)} else None), "
+        f"        return {'InForward(' if binds else ''}({''.join(tensors)}){')' if binds else ''}, "
+        f"(({''.join(hooks)}) if {' or '.join(any_hook)} else None), "
         f"({''.join(flags)})\n"
         "    except (KeyError, AttributeError, TypeError):  # a submodule gone or None, or a module unlike\n"
         "        # nn.Module's (torch.jit.script's dicts are wrappers dict.copy does not take)\n"
@@ -144,10 +194,10 @@ def _compile_snapshot(shape: tuple) -> Callable[[Module], Optional[tuple]]:
     )
     # a plain dict of each (OrderedDict's copy is slower); filed under this file: dynamo skips it
     # (torch 2.4's dynamo, tracing a generated file, fails on dict.copy)
-    made = _files.compile_generated(source, __file__, "snapshot", {"copy": dict.copy})
+    made = _files.compile_generated(source, __file__, "snapshot", {"copy": dict.copy, "InForward": InForward})
     if len(_snapshots) >= 1024:
         _snapshots.clear()
-    snapshot = _snapshots[shape] = made
+    snapshot = _snapshots[binds, shape] = made
     return snapshot
 
 
