@@ -246,3 +246,22 @@ def test_a_functional_call_swap_is_reported_once_as_ckg101_not_also_as_ckg110(ho
         ckpt_guard.uninstall()
     ids = [w.message.rule.id for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
     assert "CKG110" not in ids and ids.count("CKG101") <= 1, ids
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [("module", ["0.weight, 0.bias"]), ("method", ["fc1.weight, fc1.bias", "fc2.weight, fc2.bias"]),
+     ("lambda", ["self.fc1.weight, self.fc1.bias", "self.fc2.weight, self.fc2.bias"])],
+)
+@pytest.mark.parametrize("run", [higher_maml, torchopt_maml], ids=["higher.innerloop_ctx", "torchopt.MetaSGD"])
+def test_the_change_line_names_tensors_by_their_path_from_the_block(run, how, expected):
+    """Issue 27, section 2: CKG110 named ``InnerFunctionalLinear.weight`` twice (higher's patched
+    classes all read so); it names each tensor by where the block reaches it, grouped per module."""
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
+        _under("strict", run, how, "torch")
+    change = next(line for line in str(info.value).splitlines() if "changed since the forward:" in line)
+    groups = [part.split(" (")[0].strip() for part in change.split(": ", 1)[1].split("; ")]
+    assert groups == expected, change
+    assert "re-bound (other tensors, not updated in place)" in change

@@ -391,23 +391,73 @@ def describe_bindings(value: object) -> str:
     return "what the block reads by reference" if value else "nothing watched"
 
 
+def _module_paths(function: object) -> dict:
+    """``{id(module): where the block reaches it}``, for messages: ``fc1`` in the checkpointed module
+    (or its bound method), ``self.fc1`` through a closure's ``self``, ``""`` for the block itself."""
+    block = _block_module(function)
+    if isinstance(block, Module):
+        roots = [("", block)]
+    else:
+        code = getattr(block, "__code__", None)
+        cells = getattr(block, "__closure__", None) or ()
+        names = code.co_freevars if code is not None else ()
+        roots = [(name, value) for name, value in zip(names, map(_cell_value, cells)) if isinstance(value, Module)]
+    paths: dict = {}
+    for prefix, root in roots:
+        structure = _structure(root)
+        for path, module in zip(structure.paths, structure.modules(root)):
+            paths.setdefault(id(module), ".".join(part for part in (prefix, path) if part))
+    return paths
+
+
+def _cell_value(cell: object) -> object:
+    try:
+        return cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell
+        return None
+
+
+def _where(owner: object, paths: dict) -> str:
+    """A module as a message names it: ``fc1 (Linear)``, or its class alone for the block itself."""
+    path = paths.get(id(owner), "")
+    return f"{path} ({type(owner).__name__})" if path else type(owner).__name__
+
+
 def describe_rebinding(was: object, now: object, function: object = None) -> str:
-    """CKG110's change line: ``Linear.weight re-bound (another tensor, not updated in place)``."""
-    parts = []
+    """CKG110's change line: ``fc1.weight, fc1.bias (Linear) re-bound (other tensors, not updated in place)``.
+
+    Tensors are named by their path from the checkpointed block (higher's patched
+    classes all read ``InnerFunctionalLinear``), grouped per module.
+    """
+    paths = _module_paths(function)
+    cells, added, groups = [], [], {}  # groups: id(owner) -> (owner, [names]), in first-seen order
     for owner, store, name, _ in rebound(was, function):
         if store == "cell":
-            parts.append(f"the closure variable {name!r} re-bound")
+            cells.append(f"the closure variable {name!r} re-bound")
         elif store == "new":
-            parts.append(f"{type(owner).__name__}.{name} added")
+            added.append((owner, name))
         else:
-            parts.append(f"{type(owner).__name__}.{name} re-bound (another tensor, not updated in place)")
+            groups.setdefault(id(owner), (owner, []))[1].append(name)
+
+    def named(owner: object, names: list) -> str:
+        path = paths.get(id(owner), "")
+        if not path:
+            return ", ".join(f"{type(owner).__name__}.{name}" for name in names)
+        return f"{', '.join(f'{path}.{name}' for name in names)} ({type(owner).__name__})"
+
+    parts = cells + [
+        f"{named(owner, names)} re-bound ({'another tensor' if len(names) == 1 else 'other tensors'}, "
+        "not updated in place)"
+        for owner, names in groups.values()
+    ] + [f"{named(owner, [name])} added" for owner, name in added]
     return "; ".join(parts) or "what the block reads changed"
 
 
 def describe_hook_change(was: object, now: object, function: object = None) -> str:
-    """CKG111's change line: ``forward hooks of Linear added or removed``."""
+    """CKG111's change line: ``forward hooks of fc1 (Linear) added or removed``."""
+    paths = _module_paths(function)
     parts = [
-        f"{'forward pre-hooks' if store == '_forward_pre_hooks' else 'forward hooks'} of {type(owner).__name__} "
+        f"{'forward pre-hooks' if store == '_forward_pre_hooks' else 'forward hooks'} of {_where(owner, paths)} "
         "added or removed"
         for owner, store, _, _ in rebound(was, function, hooks=True)
     ]
