@@ -31,7 +31,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _state
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
 from ._drift import (
-    _BINDINGS_INDEX, _anticipated_rule, _capture_without_mode_records, _checked_call, _device_watched_call,
+    _BINDINGS_INDEX, _HOOKS_INDEX, _anticipated_rule, _capture_without_mode_records, _checked_call, _device_watched_call,
     _differs, _is_grad_enabled, _reads_target, anticipate, anticipate_own_bindings, capture, report_drift,
     risk_visible,
 )
@@ -214,6 +214,7 @@ _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _rrelu_training = _state.rrelu_training
 _rrelu_seen = _state.rrelu_seen
+_grad_sample_hooked = _state.grad_sample_hooked
 _needs_refresh = _state.needs_refresh
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
@@ -282,14 +283,16 @@ def prepare_call(
     if grad:  # what a recompute must find again (it first walks a new block, and notes an RReLU in it)
         reads = _reads_target(function, args[first_input:])
         forward_state = capture(reads, args[first_input:], kwargs)
-    # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too).
+    # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too, ...
     rrelu = not reentrant and grad and _rrelu_seen[0] and _rrelu_training(function, early_stop)
+    # ... and CKG011 (Opacus' grad-sample hooks), looked for only in a block whose snapshot holds hooks
+    hooked = not reentrant and grad and bool(forward_state[_HOOKS_INDEX]) and _grad_sample_hooked(function)
     no_early_stop = False
     if (
         reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled()
-        or _forward_ad._current_level >= 0 or rrelu
+        or _forward_ad._current_level >= 0 or rrelu or hooked
     ):
-        if rrelu or not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
+        if rrelu or hooked or not _call_is_quiet(reentrant, args[first_input:] if reentrant else (), grad):
             if _fx_tracing() and _peek_interpreter_stack() is None and _forward_ad._current_level < 0:
                 return STEP_ASIDE  # torch.fx.symbolic_trace: Proxies, tracing, not training
             # (make_fx under a transform or a dual level, as torch.func.linearize traces its jvp: real

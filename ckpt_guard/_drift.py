@@ -114,6 +114,7 @@ _ANTICIPATED_INDICES = tuple(
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
 _SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "swapped_reads")
 _BINDINGS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_bindings")
+_HOOKS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_hooks")
 _CONTENTS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "argument_contents")
 _CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
 _GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")

@@ -249,6 +249,40 @@ def _probe_rrelu(ckpt, use_reentrant):
     return grads
 
 
+def _probe_grad_sample_hooks(ckpt, use_reentrant):
+    """Opacus' grad-sample hooks, reduced to their mechanism (the real GradSampleModule is tested
+    in tests/test_per_sample_grads.py): a forward hook named ``capture_activations_hook`` keeps the
+    input and counts the forward (skipped without grad, as Opacus' is), a full backward hook makes
+    the per-sample gradient and publishes it when the count is back to zero."""
+    import torch
+
+    class GradSampler:
+        def capture_activations_hook(self, module, inputs, output):
+            if not torch.is_grad_enabled():
+                return
+            module.activations.append(inputs[0].detach())
+            module.forward_counter += 1
+
+        def capture_backprops_hook(self, module, grad_inputs, grad_outputs):
+            a = module.activations.pop()
+            module.current = torch.einsum("ni,nj->nij", grad_outputs[0], a)
+            module.forward_counter -= 1
+            if module.forward_counter == 0:
+                module.grad_sample = module.current
+
+    torch.manual_seed(0)
+    sampler, block = GradSampler(), torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    linears = [block[0], block[2]]
+    for m in linears:
+        m.activations, m.forward_counter = [], 0
+        m.register_forward_hook(sampler.capture_activations_hook)
+        m.register_full_backward_hook(sampler.capture_backprops_hook)
+    x = torch.randn(4, 3, requires_grad=True)
+    ckpt(block, x, **_variant_kwargs(use_reentrant)).pow(2).sum().backward()
+    # a per-sample gradient never published reads as zeros (Opacus: "parameters without grad_sample")
+    return [getattr(m, "grad_sample", torch.zeros(4, 3, 3)) for m in linears] + _grads(x, *block.parameters())
+
+
 def _under_grad_transform(s: "CallState") -> bool:
     return "grad" in s.transform_names
 
@@ -573,6 +607,47 @@ _CALL_RULES = [
         symptom_varies=True,
         measured_on=("2.4.1", "2.13.0", "2.15.0"),
         applies=lambda s: not s.reentrant and s.grad_enabled and s.rrelu_training and not s.transforms,
+    ),
+    Rule(
+        id="CKG011",
+        title="Opacus' grad-sample hooks under non-reentrant checkpoint: per-sample gradients lost",
+        stage="call",
+        variants=(NON_REENTRANT,),
+        trigger=(
+            "checkpoint(use_reentrant=False) with grad enabled over a module that contains a module "
+            "carrying Opacus' grad-sample forward hook (GradSampleModule's capture_activations_hook, "
+            "its hooks and functorch modes alike) in training mode: DP fine-tuning with transformers' "
+            "gradient_checkpointing_enable(), whose default is non-reentrant; the module itself, "
+            "its bound method or a functools.partial of either, as transformers and "
+            "checkpoint_wrapper pass it"
+        ),
+        symptom=(
+            "runs the hook again in the recompute, so each layer's activations and forward count "
+            "are taken twice and its backward hook pops once: the per-sample gradients are never "
+            "published, and Opacus' optimizer fails later with 'N parameters without grad_sample' "
+            "(16 of 21 on a 2-layer LLaMA), or its functorch mode raises inside the recompute; the "
+            "ordinary .grad is right, the DP guarantee is what breaks"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "pass use_reentrant=True (transformers: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': True})): the reentrant forward runs "
+            "under no_grad, where Opacus' hook takes nothing, and its recompute takes each layer "
+            "once; exact, and it keeps the memory saving"
+        ),
+        fallback="runs it without checkpointing (correct; pass use_reentrant=True to keep the memory saving)",
+        refs=(
+            "https://github.com/pytorch/pytorch/issues/143573",
+            "https://github.com/meta-pytorch/opacus/blob/main/opacus/grad_sample/grad_sample_module.py",
+        ),
+        torch_note=(
+            "non-reentrant checkpoint re-runs module forward hooks in the recompute, with grad "
+            "enabled, on every supported torch (pytorch#143573: a forward hook seen again in the "
+            "backward); Opacus counts forwards in them (_forward_counter)"
+        ),
+        probe=_probe_grad_sample_hooks,
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+        applies=lambda s: not s.reentrant and s.grad_enabled and s.grad_sample_hooks and not s.transforms,
     ),
 ]
 

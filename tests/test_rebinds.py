@@ -11,6 +11,7 @@ unseen before).  Expectations come from the table: CKG110's claim on the install
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -26,7 +27,9 @@ from ckpt_guard._versions import installed
 
 RULE = rule_by_id("CKG110")
 HOLDS = RULE.holds_on(installed())
-BLOCKS = ("module", "method", "lambda")
+#: the module, its bound method, a lambda closing over it, and ``partial(forward, module)`` (the
+#: way transformers 5's GradientCheckpointingLayer hands its layers to checkpoint)
+BLOCKS = ("module", "method", "lambda", "partial-forward")
 
 
 class Net(nn.Module):
@@ -40,10 +43,13 @@ class Net(nn.Module):
 
     def forward(self, x):
         function = {
-            "module": nn.Sequential(self.fc1, nn.Tanh()),
+            "module": lambda: nn.Sequential(self.fc1, nn.Tanh()),
             "method": self.block,
             "lambda": lambda h: torch.tanh(self.fc1(h)),
+            "partial-forward": lambda: functools.partial(nn.Sequential.forward, nn.Sequential(self.fc1, nn.Tanh())),
         }[self.how]
+        if self.how in ("module", "partial-forward"):
+            function = function()
         if self.entry == "plain":
             h = function(x)
         elif self.entry == "torch":
@@ -189,20 +195,21 @@ def higher_monkeypatched(how: str, entry: str) -> list:
     return list(torch.autograd.grad(loss, params))
 
 
-def test_higher_monkeypatch_is_no_false_alarm():
+@pytest.mark.parametrize("how", ["module", "partial-forward"])
+def test_higher_monkeypatch_is_no_false_alarm(how):
     """Issue 27, section 2: ``net.forward`` checkpointing a submodule under ``higher.monkeypatch`` raised
     CKG110 under strict and fallback: the guard's record, taken at the call, held what the module's
     previous call bound; the forward binds the fast weights itself. The record is now re-read when the
     forward ends: strict is silent and bitwise torch's; fallback runs it without checkpointing (it cannot
     tell that no later re-bind will come, and could not undo one: higher binds from its own box), exact."""
-    reference = higher_monkeypatched("module", "plain")
-    raw = higher_monkeypatched("module", "torch")
+    reference = higher_monkeypatched(how, "plain")
+    raw = higher_monkeypatched(how, "torch")
     assert _close(raw, reference)  # torch is right here
-    guarded, messages = _under("strict", higher_monkeypatched, "module", "torch")
+    guarded, messages = _under("strict", higher_monkeypatched, how, "torch")
     assert messages == []
     for g, r in zip(guarded, raw):
         assert torch.equal(g, r)
-    repaired, messages = _under("fallback", higher_monkeypatched, "module", "torch")
+    repaired, messages = _under("fallback", higher_monkeypatched, how, "torch")
     assert {m.rule.id for m in messages} == {"CKG110"}
     assert all("ran it without checkpointing" in str(m) for m in messages)
     for g, r in zip(repaired, reference):
@@ -251,7 +258,8 @@ def test_a_functional_call_swap_is_reported_once_as_ckg101_not_also_as_ckg110(ho
 @pytest.mark.parametrize(
     ("how", "expected"),
     [("module", ["0.weight, 0.bias"]), ("method", ["fc1.weight, fc1.bias", "fc2.weight, fc2.bias"]),
-     ("lambda", ["self.fc1.weight, self.fc1.bias", "self.fc2.weight, self.fc2.bias"])],
+     ("lambda", ["self.fc1.weight, self.fc1.bias", "self.fc2.weight, self.fc2.bias"]),
+     ("partial-forward", ["0.weight, 0.bias"])],
 )
 @pytest.mark.parametrize("run", [higher_maml, torchopt_maml], ids=["higher.innerloop_ctx", "torchopt.MetaSGD"])
 def test_the_change_line_names_tensors_by_their_path_from_the_block(run, how, expected):

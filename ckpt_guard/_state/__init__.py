@@ -153,6 +153,7 @@ from .call import (  # noqa: F401
     clear_caches,
     drew_random,
     forward_device_context,
+    grad_sample_hooked,
     read_call_state,
     rng_states,
     rrelu_training,

@@ -50,6 +50,8 @@ class CallState:
     params_require_grad: bool
     #: the block holds an nn.RReLU in training mode, and early stop is on (CKG009)
     rrelu_training: bool = False
+    #: a module the call runs carries Opacus' grad-sample forward hook, in training mode (CKG011)
+    grad_sample_hooks: bool = False
 
     @property
     def transform_names(self) -> frozenset[str]:
@@ -76,6 +78,27 @@ def rrelu_training(function: object, early_stop: bool = True) -> bool:
     return False
 
 
+def grad_sample_hooked(function: object) -> bool:
+    """CKG011: a module the call runs carries Opacus' grad-sample forward hook, in training mode.
+
+    Opacus' GradSampleModule registers its bound method ``capture_activations_hook``
+    on every layer it computes per-sample gradients for; that name is what is looked
+    for (a bound method of that name: the rule's probe is Opacus' mechanism, reduced).
+    The decision asks only when the block snapshot found a forward hook (the
+    snapshot is taken anyway), and only where the module is plain to see (the
+    module, its bound method, a partial of either), as CKG009.
+    """
+    block = _block_module(function)
+    if not isinstance(block, Module):
+        return False
+    for module in block.modules():
+        if module.training:
+            for hook in module._forward_hooks.values():
+                if getattr(hook, "__name__", "") == "capture_activations_hook" and hasattr(hook, "__self__"):
+                    return True
+    return False
+
+
 def read_call_state(reentrant: bool, function: object, args: tuple, early_stop: bool = True) -> CallState:
     tensors = [a for a in args if isinstance(a, Tensor)]
     params = list(_reads.trainable_tensors(function))
@@ -95,6 +118,7 @@ def read_call_state(reentrant: bool, function: object, args: tuple, early_stop: 
         inputs_require_grad=any(requires_grad_anywhere(t) for t in tensors),
         params_require_grad=any(requires_grad_anywhere(p) for p in params),
         rrelu_training=not reentrant and rrelu_training(function, early_stop),
+        grad_sample_hooks=not reentrant and grad_sample_hooked(function),
     )
 
 

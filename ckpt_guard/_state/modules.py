@@ -229,13 +229,26 @@ def _block_module(function: object) -> object:
     """The module a call runs (itself, behind a bound method or a partial of either), else the function."""
     while True:  # the guard's recorder is a partial of a method bound to the user's block
         if type(function) is functools.partial:
-            function = function.func
+            function = _partial_target(function)
         elif type(function) is _MethodType and isinstance(
             function.__self__, (Module, types.FunctionType, _MethodType, functools.partial)
         ):
             function = function.__self__
         else:
             return function
+
+
+def _partial_target(function: functools.partial) -> object:
+    """What a partial runs: its function, or the module it is the method of.
+
+    ``partial(forward, layer, **kwargs)`` is a bound method spelled as a partial:
+    transformers 5's ``GradientCheckpointingLayer`` checkpoints its layers so
+    (the layer's own hooks stay outside the checkpoint; its submodules' run inside).
+    """
+    args = function.args
+    if args and type(function.func) is types.FunctionType and isinstance(args[0], Module):
+        return args[0]
+    return function.func
 
 
 _NOTHING = ((), (), None)
@@ -245,7 +258,7 @@ def block_snapshot(function: object) -> tuple:
     """What the block reads by reference, its hooks and its modules' train/eval flags, in one read.
 
     ``(tensors, hooks, training)``: for a module (itself, its bound method, a
-    partial of either) a shallow copy of each of its modules' parameter and
+    partial of either, ``partial(forward, module)``) a shallow copy of each of its modules' parameter and
     buffer dicts, of their forward (pre-)hook dicts (C-level copies: names and
     values, the cheapest way to keep them), and each module's ``training``;
     for a function its closure cells' contents, ``()`` and None.  Read on
@@ -255,7 +268,7 @@ def block_snapshot(function: object) -> tuple:
     """
     kind = type(function)  # _block_module inlined: this runs on every checkpoint call
     while kind is functools.partial or kind is _MethodType:  # the guard's recorder wraps one in another
-        function = function.func if kind is functools.partial else function.__self__
+        function = _partial_target(function) if kind is functools.partial else function.__self__
         kind = type(function)
     if isinstance(function, Module):
         entry = _block_structure.get(id(function))
