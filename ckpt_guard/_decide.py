@@ -286,7 +286,9 @@ def prepare_call(
     # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too, ...
     rrelu = not reentrant and grad and _rrelu_seen[0] and _rrelu_training(function, early_stop)
     # ... and CKG011 (Opacus' grad-sample hooks), looked for only in a block whose snapshot holds hooks
-    hooked = not reentrant and grad and bool(forward_state[_HOOKS_INDEX]) and _grad_sample_hooked(function)
+    hooked = not reentrant and grad and bool(forward_state[_HOOKS_INDEX]) and _grad_sample_hooked(
+        function, forward_state[_HOOKS_INDEX]
+    )
     no_early_stop = False
     if (
         reentrant or not grad or _peek_interpreter_stack() is not None or not _saved_tensor_hooks_enabled()
@@ -334,14 +336,15 @@ def prepare_call(
     guarded = _partial(
         _checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested
     )
+    if reentrant and _len_function_stack():
+        guarded = _watch_device(guarded, function, config, forward_state, site)
+    # set on the handle the patch point gets (a device watch above wraps the one prepared)
     if nested is not None:
         guarded.nested = nested
     if own_bindings:
         # its modules bind their own tensors in the forward (higher's): the patch point re-reads them
         # when the forward ends, and the recompute compares with what the forward read
         guarded.after_forward = _partial(_state.refresh_after_forward, reads, forward_state[_BINDINGS_INDEX])
-    if reentrant and _len_function_stack():
-        guarded = _watch_device(guarded, function, config, forward_state, site)
     if drew is not None:
         return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew, no_early_stop)
     return EarlyStopOff(guarded) if no_early_stop else guarded

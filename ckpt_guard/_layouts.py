@@ -155,7 +155,11 @@ def then_after_forward(inner: Iterator[Any], after: Callable[[], None]) -> Itera
             return
         yield value
         return
-    after()
+    try:
+        after()
+    except BaseException:  # the guard's own re-read failed: torch's generator still gets to clean up
+        inner.close()
+        raise
     yield from inner
 
 

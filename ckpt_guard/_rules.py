@@ -251,7 +251,7 @@ def _probe_rrelu(ckpt, use_reentrant):
 
 def _probe_grad_sample_hooks(ckpt, use_reentrant):
     """Opacus' grad-sample hooks, reduced to their mechanism (the real GradSampleModule is tested
-    in tests/test_per_sample_grads.py): a forward hook named ``capture_activations_hook`` keeps the
+    in tests/test_opacus.py): a forward hook named ``capture_activations_hook`` keeps the
     input and counts the forward (skipped without grad, as Opacus' is), a full backward hook makes
     the per-sample gradient and publishes it when the count is back to zero."""
     import torch
@@ -614,26 +614,30 @@ _CALL_RULES = [
         stage="call",
         variants=(NON_REENTRANT,),
         trigger=(
-            "checkpoint(use_reentrant=False) with grad enabled over a module that contains a module "
+            "checkpoint(use_reentrant=False) with grad enabled over a module that contains a layer "
             "carrying Opacus' grad-sample forward hook (GradSampleModule's capture_activations_hook, "
-            "its hooks and functorch modes alike) in training mode: DP fine-tuning with transformers' "
-            "gradient_checkpointing_enable(), whose default is non-reentrant; the module itself, "
-            "its bound method or a functools.partial of either, as transformers and "
-            "checkpoint_wrapper pass it"
+            "registered in its hooks and functorch modes) that would take: hooks enabled, the layer "
+            "in training mode with a trainable parameter of its own. DP fine-tuning with transformers' "
+            "activation (gradient) checkpointing, whose default is non-reentrant. The block as the "
+            "module, its bound method, a functools.partial of either or partial(forward, module) "
+            "(transformers and checkpoint_wrapper pass it so); a lambda or closure around the model "
+            "is not seen"
         ),
         symptom=(
             "runs the hook again in the recompute, so each layer's activations and forward count "
             "are taken twice and its backward hook pops once: the per-sample gradients are never "
-            "published, and Opacus' optimizer fails later with 'N parameters without grad_sample' "
-            "(16 of 21 on a 2-layer LLaMA), or its functorch mode raises inside the recompute; the "
-            "ordinary .grad is right, the DP guarantee is what breaks"
+            "published (16 of 21 parameters on a 2-layer LLaMA), while .grad is right. Opacus' "
+            "optimizer then fails at step() with 'Per sample gradient is not initialized. Not "
+            "updated in backward pass?', ghost clipping with a misleading 'Parameter tying is not "
+            "supported'; a bare GradSampleModule returns without them"
         ),
         symptom_kind="silently wrong",
         remedy=(
-            "pass use_reentrant=True (transformers: gradient_checkpointing_enable("
-            "gradient_checkpointing_kwargs={'use_reentrant': True})): the reentrant forward runs "
-            "under no_grad, where Opacus' hook takes nothing, and its recompute takes each layer "
-            "once; exact, and it keeps the memory saving"
+            "pass use_reentrant=True (transformers: model.activation_checkpointing_enable("
+            "activation_checkpointing_kwargs={'use_reentrant': True}), or in releases without it "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True})): "
+            "the reentrant forward runs under no_grad, where Opacus' hook takes nothing, and its "
+            "recompute takes each layer once; exact, and it keeps the memory saving"
         ),
         fallback="runs it without checkpointing (correct; pass use_reentrant=True to keep the memory saving)",
         refs=(

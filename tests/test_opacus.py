@@ -212,3 +212,112 @@ def test_ckpt_guard_checkpoint_without_install_applies_the_rule(monkeypatch):
     with pytest.warns(CheckpointCompositionWarning, match=r"\[CKG011\]"):
         repaired = run()
     _assert_exact(repaired, reference)
+
+
+def _outcome(run):
+    try:
+        return run(), None
+    except Exception as error:  # noqa: BLE001 - Opacus' own error, compared below
+        return None, (type(error), str(error))
+
+
+def _silent_and_bitwise(run):
+    """``run()`` under strict is silent and torch's: bitwise the same values, or Opacus' same error."""
+    raw, raw_error = _outcome(run)
+    ckpt_guard.install("strict", rules={})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            guarded, guarded_error = _outcome(run)
+    finally:
+        ckpt_guard.uninstall()
+    assert guarded_error == raw_error
+    for g, r in zip(guarded or (), raw or ()):
+        assert (g is None and r is None) or torch.equal(g, r)
+
+
+@pytest.mark.parametrize("case", ["hooks disabled", "parameters frozen", "eval mode", "no grad"])
+def test_where_opacus_hook_takes_nothing_no_rule_fires(case):
+    """Review of d8b2762: Opacus' hook returns early with its hooks disabled, for a layer without a
+    trainable parameter, in eval mode and without grad: nothing is counted twice, CKG011 is silent
+    (frozen after wrapping and eval mode end in Opacus' own "No activations detected", with or
+    without checkpointing: the guard leaves that error as it is)."""
+    def run():
+        model = _Mlp("non-reentrant")
+        gsm = opacus.GradSampleModule(model, strict=False)
+        if case == "hooks disabled":
+            gsm.disable_hooks()
+        elif case == "parameters frozen":
+            for block in model.blocks:
+                block.requires_grad_(False)
+        elif case == "eval mode":
+            gsm.eval()
+        torch.manual_seed(1)
+        x, y = torch.randn(5, 4), torch.randn(5, 1)
+        if case == "no grad":
+            with torch.no_grad():
+                return [gsm(x)]
+        ((gsm(x) - y) ** 2).mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    _silent_and_bitwise(run)
+
+
+def test_the_blocks_own_hook_outside_the_checkpoint_is_no_case():
+    """``checkpoint(partial(Linear.forward, lin), x)``: the hook on ``lin`` itself runs outside the
+    checkpoint (transformers 5 checkpoints its layers so): counted once, exact, no rule."""
+    def run():
+        torch.manual_seed(0)
+        lin, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        holder = torch.nn.Sequential(lin, head)
+        gsm = opacus.GradSampleModule(holder, strict=False)
+        torch.manual_seed(1)
+        x = torch.randn(5, 4, requires_grad=True)
+        import functools
+
+        h = checkpoint(functools.partial(torch.nn.Linear.forward, lin), x, use_reentrant=False)
+        head(h).sum().backward()
+        del gsm
+        return [getattr(lin.weight, "grad_sample", None), lin.weight.grad, x.grad]
+
+    _silent_and_bitwise(run)
+
+
+def test_a_users_own_method_of_that_name_is_not_opacus():
+    """Matched by Opacus' pair of hook methods, not by one name."""
+    class Recorder:
+        def capture_activations_hook(self, module, inputs, output):
+            self.seen = output.shape
+
+    def run():
+        torch.manual_seed(0)
+        block = _Residual()
+        block.up.register_forward_hook(Recorder().capture_activations_hook)
+        x = torch.randn(5, 8, requires_grad=True)
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+        return [x.grad, *(p.grad for p in block.parameters())]
+
+    _silent_and_bitwise(run)
+
+
+def test_fallback_without_install_runs_the_block_in_its_context_fn(monkeypatch):
+    """Review of d8b2762: run plainly by fallback, ``ckpt_guard.checkpoint``'s block lost the forward
+    context of its ``context_fn`` (an autocast), which torch's forward and an installed fallback keep."""
+    if not HOLDS:
+        pytest.skip(f"CKG011's claim does not hold on torch {installed()}")
+    import contextlib
+    import functools
+
+    def autocast_context():
+        return torch.autocast("cpu", dtype=torch.bfloat16), contextlib.nullcontext()
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opacus.GradSampleModule(torch.nn.Sequential(block), strict=False)
+    x = torch.randn(5, 8, requires_grad=True)
+    raw = checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(autocast_context))
+    assert raw.dtype == torch.bfloat16  # torch's forward runs in the context
+    monkeypatch.setenv("CKPT_GUARD_POLICY", "fallback")
+    with pytest.warns(CheckpointCompositionWarning, match=r"\[CKG011\]"):
+        out = ckpt_guard.checkpoint(block, x, context_fn=functools.partial(autocast_context))
+    assert out.dtype == torch.bfloat16

@@ -273,3 +273,58 @@ def test_the_change_line_names_tensors_by_their_path_from_the_block(run, how, ex
     groups = [part.split(" (")[0].strip() for part in change.split(": ", 1)[1].split("; ")]
     assert groups == expected, change
     assert "re-bound (other tensors, not updated in place)" in change
+
+
+def test_a_partial_of_a_helper_with_a_closure_keeps_its_closure_watched():
+    """Review of d8b2762: ``partial(helper, lin)`` was read as ``lin``'s method, so a Parameter the helper
+    closes over, re-bound before the backward, went unseen. A helper with a closure is a function (its cells
+    watched); ``partial(forward, module)`` of the module's own class, or of a helper without a closure, is
+    the module."""
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
+    lin = nn.Linear(3, 3)
+    scale = nn.Parameter(torch.ones(3))
+
+    def helper(module, x):
+        return module(x) * scale
+
+    ckpt_guard.install("strict", rules={})
+    try:
+        out = checkpoint(functools.partial(helper, lin), torch.randn(2, 3, requires_grad=True), use_reentrant=False)
+        scale = nn.Parameter(torch.full((3,), 2.0))  # noqa: F841 - re-bound: the cell the helper reads
+        with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
+            out.sum().backward()
+    finally:
+        ckpt_guard.uninstall()
+    assert "the closure variable 'scale' re-bound" in str(info.value)
+
+
+def test_the_forward_re_read_survives_the_device_watch(monkeypatch):
+    """Review of e2fd73d: under a GPU default device a reentrant call's handle is wrapped in CKG109's
+    device watch, which lost the re-read set on the handle before it: higher.monkeypatch then gave a
+    CKG110 false alarm. The watch is faked on the CPU here (a default-device context on the stack, the
+    accelerator check answering yes)."""
+    higher = pytest.importorskip("higher", reason="higher is a test extra; not installed here")
+    from ckpt_guard import _state
+
+    class Net2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.fc2(checkpoint(self.fc1, x, use_reentrant=True))
+
+    monkeypatch.setattr(_state, "accelerator_default_device", lambda: torch.device("cpu"))
+    torch.manual_seed(0)
+    net = Net2()
+    fnet = higher.monkeypatch(net)
+    x = torch.randn(5, 4, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in net.parameters()]
+    ckpt_guard.install("strict", rules={})
+    try:
+        with torch.device("cpu"):  # a DeviceContext on the function-mode stack, as a GPU default would be
+            fnet(x, params=params).pow(2).mean().backward()
+    finally:
+        ckpt_guard.uninstall()
+    assert all(p.grad is not None for p in params)

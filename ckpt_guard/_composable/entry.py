@@ -225,7 +225,10 @@ def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: 
     finally:
         _config.pop_scope(token)
     if guarded == NO_CHECKPOINT:  # fallback: a call rule says checkpointing here is not safe
-        return function(*args, **{k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS})
+        # the user's forward context (an autocast context_fn) wraps it, as torch's forward would
+        forward_context = forward_context_of(options.get("context_fn")) or contextlib.nullcontext()
+        with forward_context:
+            return function(*args, **{k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS})
     if not isinstance(guarded, functools.partial):  # nothing to check, or what needs a patch point
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     forward = [True]

@@ -26,7 +26,10 @@ from .basics import (
     saved_tensor_hooks_enabled,
 )
 from .modes import _infrastructure_classes
-from .modules import _block_module, _block_structure, _mode_dependent_classes, _snapshots, _structure
+from .modules import (
+    _block_module, _block_structure, _mode_dependent_classes, _snapshots, _structure, block_snapshot as _block_snapshot,
+    root_hooks_run_inside,
+)
 from .transforms import transform_stack
 
 
@@ -78,25 +81,48 @@ def rrelu_training(function: object, early_stop: bool = True) -> bool:
     return False
 
 
-def grad_sample_hooked(function: object) -> bool:
-    """CKG011: a module the call runs carries Opacus' grad-sample forward hook, in training mode.
+def grad_sample_hooked(function: object, hooks: object = None) -> bool:
+    """CKG011: a module the call runs carries Opacus' grad-sample forward hook, and it would take.
 
     Opacus' GradSampleModule registers its bound method ``capture_activations_hook``
-    on every layer it computes per-sample gradients for; that name is what is looked
-    for (a bound method of that name: the rule's probe is Opacus' mechanism, reduced).
-    The decision asks only when the block snapshot found a forward hook (the
-    snapshot is taken anyway), and only where the module is plain to see (the
-    module, its bound method, a partial of either), as CKG009.
+    (beside ``capture_backprops_hook``) on every layer it computes per-sample
+    gradients for; the hook takes nothing while its hooks are disabled, or for a
+    layer in eval mode or without a trainable parameter of its own, and those are
+    left out.  ``hooks``: the hook part of the call's block snapshot (taken anyway:
+    the decision asks only when it holds one); read here if not given.  Only where
+    the module is plain to see (the module, its bound method, a partial of either),
+    as CKG009; the block's own hooks count only where they run inside the checkpoint
+    (not for ``partial(forward, layer)``, as transformers 5 checkpoints a layer).
     """
+    if hooks is None:
+        hooks = _block_snapshot(function)[1]
+    if not hooks:
+        return False
+    found = [i // 2 for i in range(1, len(hooks), 2) if any(map(_takes_grad_samples, hooks[i].values()))]
+    if not found:
+        return False
     block = _block_module(function)
     if not isinstance(block, Module):
         return False
-    for module in block.modules():
-        if module.training:
-            for hook in module._forward_hooks.values():
-                if getattr(hook, "__name__", "") == "capture_activations_hook" and hasattr(hook, "__self__"):
-                    return True
+    modules = _structure(block).modules(block)
+    inside = root_hooks_run_inside(function)
+    for i in found:
+        if i >= len(modules):
+            return True  # a module the snapshot saw and this walk does not: as if it takes
+        if i == 0 and not inside:
+            continue
+        module = modules[i]
+        if module.training and any(p is not None and p.requires_grad for p in module._parameters.values()):
+            return True
     return False
+
+
+def _takes_grad_samples(hook: object) -> bool:
+    """Opacus' ``capture_activations_hook``, bound to a GradSampleModule whose hooks are enabled."""
+    if getattr(hook, "__name__", "") != "capture_activations_hook":
+        return False
+    owner = getattr(hook, "__self__", None)
+    return hasattr(owner, "capture_backprops_hook") and getattr(owner, "hooks_enabled", True) is not False
 
 
 def read_call_state(reentrant: bool, function: object, args: tuple, early_stop: bool = True) -> CallState:

@@ -115,8 +115,8 @@ _snapshots: dict = {}
 class InForward(tuple):
     """The tensor part of a snapshot of a module that binds its own tensors in its forward.
 
-    A class with a ``__setattr__`` of its own outside torch (higher's patched
-    modules set their fast weights from a box at each call): at the call the
+    higher's patched modules (:func:`_binds_in_forward`) set their fast weights
+    from a box of their own at each call: at the call the
     module still holds what its last call bound, so the patch point re-reads
     these dict copies, in place, when the forward ends (:func:`refresh_after_forward`).
     A module of the record that the block does not call is compared too: which
@@ -128,7 +128,16 @@ class InForward(tuple):
 
 
 def _binds_in_forward(cls: type) -> bool:
-    return cls.__setattr__ is not Module.__setattr__ and not (cls.__module__ or "").startswith("torch.")
+    """A module class known to bind its own tensors in its forward: higher's patched modules.
+
+    Only those: other classes with a ``__setattr__`` of their own (Opacus' DPLSTM,
+    torchopt's MetaGradientModule) bind nothing in their forward, and fallback keeps
+    checkpointing them (a re-bind found at the recompute raises there, as strict).
+    """
+    return any(
+        base.__name__ == "_MonkeyPatchBase" and (base.__module__ or "").startswith("higher")
+        for base in cls.__mro__
+    )
 
 
 def needs_refresh(bindings: object) -> bool:
@@ -138,7 +147,17 @@ def needs_refresh(bindings: object) -> bool:
 
 
 def refresh_after_forward(function: object, recorded: object) -> None:
-    """Re-read, in place, what a block's modules that bind their own tensors bound in the forward just run."""
+    """Re-read, in place, what a block's modules that bind their own tensors bound in the forward just run.
+
+    Whatever it fails to read leaves the call's record as it was (compared as before).
+    """
+    try:
+        _refresh_all(function, recorded)
+    except Exception:  # noqa: BLE001 - a module the guard cannot read: the call's record stands
+        pass
+
+
+def _refresh_all(function: object, recorded: object) -> None:
     if type(recorded) is ClosureRead:
         for module, tensors in zip(_held_modules(recorded[0]), recorded[1]):
             if type(tensors) is InForward:
@@ -238,6 +257,35 @@ def _block_module(function: object) -> object:
             return function
 
 
+_CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+
+
+def root_hooks_run_inside(function: object) -> bool:
+    """Whether the block's own module's forward hooks run inside the checkpoint: they do for the module
+    itself and its ``__call__``, not for its ``forward`` or another method of it, nor for
+    ``partial(forward, module)`` (a helper given the module may call it: inside, to be safe)."""
+    while True:
+        kind = type(function)
+        if kind is functools.partial:
+            target = _partial_target(function)
+            if target is not function.func:  # partial(f, module): f is its method, or a helper
+                return getattr(function.func, "__name__", "") != "forward" and not _is_method_of(
+                    function.func, target
+                )
+            function = target
+        elif kind is _MethodType and isinstance(function.__self__, Module):
+            return function.__func__.__name__ in _CALLS
+        elif kind is _MethodType and isinstance(function.__self__, (types.FunctionType, _MethodType, functools.partial)):
+            function = function.__self__
+        else:
+            return True
+
+
+def _is_method_of(func: object, module: object) -> bool:
+    owner = getattr(func, "__qualname__", "").rpartition(".")[0]
+    return any(owner == klass.__qualname__ for klass in type(module).__mro__)
+
+
 def _partial_target(function: functools.partial) -> object:
     """What a partial runs: its function, or the module it is the method of.
 
@@ -245,10 +293,14 @@ def _partial_target(function: functools.partial) -> object:
     transformers 5's ``GradientCheckpointingLayer`` checkpoints its layers so
     (the layer's own hooks stay outside the checkpoint; its submodules' run inside).
     """
-    args = function.args
-    if args and type(function.func) is types.FunctionType and isinstance(args[0], Module):
-        return args[0]
-    return function.func
+    args, func = function.args, function.func
+    if args and type(func) is types.FunctionType and isinstance(args[0], Module):
+        # a method of the module's class (by its qualified name: transformers hands on the class's
+        # forward from before it wrapped it), or a helper that closes over nothing (what it reads
+        # is the module); a helper with a closure is a function, its cells watched (CKG110)
+        if not func.__closure__ or _is_method_of(func, args[0]):
+            return args[0]
+    return func
 
 
 _NOTHING = ((), (), None)
@@ -437,7 +489,8 @@ def _where(owner: object, paths: dict) -> str:
 
 
 def describe_rebinding(was: object, now: object, function: object = None) -> str:
-    """CKG110's change line: ``fc1.weight, fc1.bias (Linear) re-bound (other tensors, not updated in place)``.
+    """CKG110's change line: ``fc1.weight, fc1.bias (Linear) re-bound (other tensors, not updated in place)``
+    (``weight, bias (Linear)`` for the block itself).
 
     Tensors are named by their path from the checkpointed block (higher's patched
     classes all read ``InnerFunctionalLinear``), grouped per module.
@@ -454,9 +507,7 @@ def describe_rebinding(was: object, now: object, function: object = None) -> str
 
     def named(owner: object, names: list) -> str:
         path = paths.get(id(owner), "")
-        if not path:
-            return ", ".join(f"{type(owner).__name__}.{name}" for name in names)
-        return f"{', '.join(f'{path}.{name}' for name in names)} ({type(owner).__name__})"
+        return f"{', '.join(f'{path}.{name}' if path else name for name in names)} ({type(owner).__name__})"
 
     parts = cells + [
         f"{named(owner, names)} re-bound ({'another tensor' if len(names) == 1 else 'other tensors'}, "
