@@ -24,6 +24,7 @@ def _needs_transformers():
     ("per_sample_grads.py", f"[{per_sample_grads_refusal()}]"),
     ("gan_step_order.py", "[CKG108]"),
     ("meanflow_loss.py", "match the network without checkpointing"),
+    ("hvp_forward_over_reverse.py", "the four Hessian-vector products agree"),
     pytest.param("hf_per_sample_grads.py", "GPT2Block at transformer.h.", marks=_needs_transformers()),
 ])
 def test_example_runs(script, shows):
