@@ -216,6 +216,7 @@ _rrelu_training = _state.rrelu_training
 _rrelu_seen = _state.rrelu_seen
 _grad_sample_hooked = _state.grad_sample_hooked
 _needs_refresh = _state.needs_refresh
+_MAY_NEED_REFRESH = _state.MAY_NEED_REFRESH
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
 # Is torch.fx.symbolic_trace running?  A thread-local flag from torch 2.15 (read
@@ -314,7 +315,8 @@ def prepare_call(
     if may_anticipate and risk_visible(forward_state):
         if anticipate(config, forward_state, reentrant, reads, modes_managed) != PROCEED:
             return NO_CHECKPOINT
-    own_bindings = _needs_refresh(forward_state[_BINDINGS_INDEX])
+    bindings = forward_state[_BINDINGS_INDEX]
+    own_bindings = type(bindings) in _MAY_NEED_REFRESH and _needs_refresh(bindings)
     if own_bindings and may_anticipate and anticipate_own_bindings(config, forward_state, reentrant, reads) != PROCEED:
         return NO_CHECKPOINT
     # The user's call site, for messages: (code, f_lasti); the line number is
@@ -344,7 +346,7 @@ def prepare_call(
     if own_bindings:
         # its modules bind their own tensors in the forward (higher's): the patch point re-reads them
         # when the forward ends, and the recompute compares with what the forward read
-        guarded.after_forward = _partial(_state.refresh_after_forward, reads, forward_state[_BINDINGS_INDEX])
+        guarded.after_forward = _partial(_state.refresh_after_forward, reads, bindings)
     if drew is not None:
         return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew, no_early_stop)
     return EarlyStopOff(guarded) if no_early_stop else guarded

@@ -646,28 +646,16 @@ def anticipate(
     rule = _anticipated_rule(config, forward_state, modes_managed, reentrant)
     if rule is None:
         return PROCEED
-    site_frame, _ = user_frame(sys._getframe(1))
-    site = describe_site(site_frame)
-    message = build_message(
-        rule, site=site, checkpointed=describe_checkpointed(function, site_frame),
-        from_your_code=describe_site(your_code(site_frame)),
-        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
-        variant=describe_variant(reentrant, None),
-        policy="fallback",
-        source=config.source,
-        anticipated=True,
-        worked=True,
-        # what torch does when the recompute finds none of it (.backward() outside the transform)
-        symptom=_case_symptom(rule, forward_state[DRIFT_RULES.index(rule)], ()),
+    return _run_plainly_for(
+        rule, config, forward_state, reentrant, function, user_frame(sys._getframe(1))[0],
         action=(
             "ran it without checkpointing (policy fallback): nothing has gone wrong, but the "
             "recompute could run after this state changed, and then nothing could repair the "
             "gradients (policy strict raises if it sees that happen at the recompute)"
         ),
+        # what torch does when the recompute finds none of it (.backward() outside the transform)
+        symptom=_case_symptom(rule, forward_state[DRIFT_RULES.index(rule)], ()),
     )
-    _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")
-    _warn(message, rule, once="no checkpoint")
-    return NO_CHECKPOINT
 
 
 def anticipate_own_bindings(config: _config.Config, forward_state: tuple, reentrant: bool, function: Any) -> str:
@@ -682,20 +670,28 @@ def anticipate_own_bindings(config: _config.Config, forward_state: tuple, reentr
     rule = DRIFT_RULES[_BINDINGS_INDEX]
     if not _DRIFT_HOLDS[_BINDINGS_INDEX] or config.policy_for(rule.id) != "fallback":
         return PROCEED
-    site_frame, _ = user_frame(sys._getframe(1))
+    return _run_plainly_for(
+        rule, config, forward_state, reentrant, function, user_frame(sys._getframe(1))[0],
+        action=(
+            "ran it without checkpointing (policy fallback): nothing has gone wrong, but its modules "
+            "bind their own tensors in the forward (higher's patched modules), so a re-bind before "
+            "the recompute could not be undone for it (policy strict raises if the recompute finds one)"
+        ),
+    )
+
+
+def _run_plainly_for(
+    rule: Rule, config: _config.Config, forward_state: tuple, reentrant: bool, function: Any, site_frame: Any,
+    action: str, **extra: Any,
+) -> str:
+    """Fallback's warning and event for a call it runs without checkpointing, at the call: NO_CHECKPOINT."""
     site = describe_site(site_frame)
     message = build_message(
         rule, site=site, checkpointed=describe_checkpointed(function, site_frame),
         from_your_code=describe_site(your_code(site_frame)),
         transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
         variant=describe_variant(reentrant, None), policy="fallback", source=config.source,
-        anticipated=True, worked=True,
-        action=(
-            "ran it without checkpointing (policy fallback): nothing has gone wrong, but its modules "
-            "bind their own tensors in the forward (a class with its own __setattr__, as higher's "
-            "patched modules), so a re-bind before the recompute could not be undone for it "
-            "(policy strict raises if the recompute finds one)"
-        ),
+        anticipated=True, worked=True, action=action, **extra,
     )
     _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")
     _warn(message, rule, once="no checkpoint")

@@ -103,6 +103,14 @@ def without_early_stop(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
     with tuc.set_checkpoint_early_stop(False):
         inner = start()
         value = next(inner)
+    yield from _around_forward(inner, value)
+
+
+def _around_forward(inner: Iterator[Any], value: Any, after: Optional[Callable[[], None]] = None) -> Iterator[Any]:
+    """The rest of torch's generator protocol, once its first step gave ``value``: the forward runs
+    while this yields it; ``throw`` if the forward raised (handed to torch's generator as is), else
+    ``after()`` and torch's second step.  The wrappers here differ only in their first step and ``after``.
+    """
     try:
         yield value
     except BaseException as exc:  # the forward raised: hand it to torch's generator as is
@@ -112,6 +120,12 @@ def without_early_stop(start: Callable[[], Iterator[Any]]) -> Iterator[Any]:
             return
         yield value
         return
+    if after is not None:
+        try:
+            after()
+        except BaseException:  # the guard's own look failed: torch's generator still gets to clean up
+            inner.close()
+            raise
     yield from inner
 
 
@@ -125,17 +139,11 @@ def watch_forward_rng(inner: Iterator[Any], drew: list) -> Iterator[Any]:
 
     value = next(inner)
     before = rng_states()
-    try:
-        yield value
-    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
-        try:
-            value = inner.throw(exc)
-        except StopIteration:
-            return
-        yield value
-        return
-    drew[0] = drew_random(before)
-    yield from inner
+
+    def note() -> None:
+        drew[0] = drew_random(before)
+
+    yield from _around_forward(inner, value, note)
 
 
 def after_forward_of(decision: Any) -> Any:
@@ -145,22 +153,7 @@ def after_forward_of(decision: Any) -> Any:
 
 def then_after_forward(inner: Iterator[Any], after: Callable[[], None]) -> Iterator[Any]:
     """torch's generator, plus ``after()`` once the forward (run between its two steps) has returned."""
-    value = next(inner)
-    try:
-        yield value
-    except BaseException as exc:  # the forward raised: hand it to torch's generator as is
-        try:
-            value = inner.throw(exc)
-        except StopIteration:
-            return
-        yield value
-        return
-    try:
-        after()
-    except BaseException:  # the guard's own re-read failed: torch's generator still gets to clean up
-        inner.close()
-        raise
-    yield from inner
+    yield from _around_forward(inner, next(inner), after)
 
 
 def _with_after_forward(decision: Any, generator: Iterator[Any]) -> Iterator[Any]:
@@ -234,7 +227,9 @@ def _guard_generator(original: Callable[..., Any], decide: Any) -> Callable[...,
             return _with_after_forward(decision, watch_forward_rng(
                 without_early_stop(start) if decision.early_stop_off else start(), decision.drew
             ))
-        return _with_after_forward(decision, original(decision, *args, **kwargs))
+        generator = original(decision, *args, **kwargs)
+        after = getattr(decision, "after_forward", None)  # the usual call: one look, no wrapper
+        return generator if after is None else then_after_forward(generator, after)
 
     return _checkpoint_without_reentrant_generator
 
@@ -277,7 +272,9 @@ def _guard_generator_impl(original: Callable[..., Any], decide: Any) -> Callable
             return _with_after_forward(decision, watch_forward_rng(
                 without_early_stop(start) if decision.early_stop_off else start(), decision.drew
             ))
-        return _with_after_forward(decision, original(decision, args, kwargs, **options))
+        generator = original(decision, args, kwargs, **options)
+        after = getattr(decision, "after_forward", None)  # the usual call: one look, no wrapper
+        return generator if after is None else then_after_forward(generator, after)
 
     return _checkpoint_without_reentrant_generator_impl
 

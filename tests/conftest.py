@@ -31,6 +31,19 @@ def run_raw(probe, use_reentrant):
             ckpt_guard.install("strict")
 
 
+def installed_under(policy, run, *args):
+    """``run(*args)`` with the guard installed under ``policy`` (no per-rule overrides), then
+    uninstalled: ``(result, the guard's warnings)``, every warning recorded."""
+    ckpt_guard.install(policy, rules={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run(*args)
+    finally:
+        ckpt_guard.uninstall()
+    return result, [w.message for w in caught if issubclass(w.category, ckpt_guard.CheckpointCompositionWarning)]
+
+
 def run_guarded(probe, use_reentrant, policy, rules=None):
     with ckpt_guard.policy(policy, rules=rules):
         return probe(checkpoint, use_reentrant)

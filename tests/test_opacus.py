@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import installed_under
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_guard
@@ -85,14 +86,7 @@ def per_sample_grads(model_kind: str, variant: str, mode: str = "hooks") -> tupl
 
 
 def _under(policy: str, *args):
-    ckpt_guard.install(policy, rules={})
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = per_sample_grads(*args)
-    finally:
-        ckpt_guard.uninstall()
-    return result, [w.message for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
+    return installed_under(policy, per_sample_grads, *args)
 
 
 def _assert_exact(got, reference):

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import installed_under
 from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
@@ -110,15 +111,7 @@ def _close(got, reference) -> bool:
     return all(torch.allclose(g, r, rtol=1e-4, atol=1e-6) for g, r in zip(got, reference))
 
 
-def _under(policy: str, run, *args):
-    ckpt_guard.install(policy, rules={})
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = run(*args)
-    finally:
-        ckpt_guard.uninstall()
-    return result, [w.message for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
+_under = installed_under
 
 
 @pytest.mark.parametrize("how", BLOCKS)

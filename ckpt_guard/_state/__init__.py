@@ -119,6 +119,7 @@ from .modules import (  # noqa: F401
     describe_training,
     differs,
     module_training,
+    MAY_NEED_REFRESH,
     needs_refresh,
     rebound,
     refresh_after_forward,

@@ -29,6 +29,14 @@ _GONE = object()
 _Generator = torch.Generator
 
 
+def _cell_contents(cell: object) -> object:
+    """A closure cell's value, or None for an empty cell (a name assigned after the function was made)."""
+    try:
+        return cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:
+        return None
+
+
 def _version_of(tensor: Tensor) -> Optional[int]:
     try:
         return tensor._version

@@ -16,12 +16,12 @@ import functools
 import os
 import threading
 import types
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from . import block_reads as _reads
-from .basics import Module, Tensor, _GONE, _Generator, _version_of, requires_grad_anywhere
+from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
 from .modules import _block_module, _structure, module_generators_seen
 
 
@@ -217,13 +217,6 @@ _TRUSTED_CODE_ROOTS = tuple(
     os.path.dirname(os.path.abspath(path)) + os.sep
     for path in (torch.__file__, functools.__file__)
 )
-
-
-def _cell_contents(cell: Any) -> object:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
 
 
 def _wrapper_held(value: object, depth: int, seen: set) -> bool:

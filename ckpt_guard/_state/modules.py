@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import _files
-from .basics import Module, _GONE, _Generator
+from .basics import Module, _GONE, _Generator, _cell_contents
 
 
 # --------------------------------------------------------------------------
@@ -357,6 +357,10 @@ class ClosureRead(tuple):
     __slots__ = ()
 
 
+#: the record types :func:`needs_refresh` may say yes for: the decision calls it only for these
+MAY_NEED_REFRESH = frozenset({InForward, ClosureRead})
+
+
 #: a module held in a closure with more submodules than this is not snapshotted on every call (a
 #: closure holding a whole model, ``lambda h: self.layer(h)``, would cost a copy of every module's
 #: dicts per call): checkpoint the submodule itself, or pass it, for CKG110 to see it
@@ -466,20 +470,13 @@ def _module_paths(function: object) -> dict:
         code = getattr(block, "__code__", None)
         cells = getattr(block, "__closure__", None) or ()
         names = code.co_freevars if code is not None else ()
-        roots = [(name, value) for name, value in zip(names, map(_cell_value, cells)) if isinstance(value, Module)]
+        roots = [(name, value) for name, value in zip(names, map(_cell_contents, cells)) if isinstance(value, Module)]
     paths: dict = {}
     for prefix, root in roots:
         structure = _structure(root)
         for path, module in zip(structure.paths, structure.modules(root)):
             paths.setdefault(id(module), ".".join(part for part in (prefix, path) if part))
     return paths
-
-
-def _cell_value(cell: object) -> object:
-    try:
-        return cell.cell_contents  # type: ignore[attr-defined]
-    except ValueError:  # an empty cell
-        return None
 
 
 def _where(owner: object, paths: dict) -> str:
