@@ -21,7 +21,8 @@ and checkpointed, and says what happened (:class:`Outcome`):
   runs: a failure.
 
 "Results" are every tensor the program returns, the gradients an eager
-``.backward()`` leaves, and what the program leaves behind: the next number
+``.backward()`` leaves (the program runs twice, as two training steps: a
+block's second call reads what the first kept of it), and what the program leaves behind: the next number
 of the global RNG, every buffer of the model (BatchNorm's running
 statistics), and a module's call counter.
 
@@ -594,14 +595,16 @@ def _execute(cell: Cell, ckpt: Any) -> Tuple[List[torch.Tensor], int]:
     RUNS.clear()
     program = _program(cell, ckpt)
     torch.manual_seed(2)
-    results = _leaves(TRANSFORMS[cell.transform](program))
+    results = []
+    for _ in range(2):  # two steps: the second reads what the first kept of each block (_composable.shapes)
+        results += [r.detach().clone() for r in _leaves(TRANSFORMS[cell.transform](program))]
     after = [torch.rand(1, dtype=DTYPE)]  # the global RNG as the program leaves it
     after += [b.detach().clone() for b in program.net.buffers()]
     after += [b.detach().clone() for b in program.buffers.values()]
     counters = [m.calls for m in program.net.modules() if isinstance(m, _Counting)]
     counters += [len(m.log) for m in program.net.modules() if isinstance(m, _Logging)]
     after += [torch.tensor(float(c)) for c in counters]
-    return [r.detach() for r in results] + after, sum(RUNS.values())
+    return results + after, sum(RUNS.values())
 
 
 def _compare(got: List[torch.Tensor], reference: List[torch.Tensor]) -> str:

@@ -51,7 +51,8 @@ from torch._functorch import pyfunctorch
 from torch._functorch import eager_transforms as _eager
 from torch._functorch.autograd_function import VmapInfo as _VmapInfo
 from torch._functorch.autograd_function import custom_function_call
-from torch._functorch.utils import enable_single_level_autograd_function, unwrap_dead_wrappers
+from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
+from torch._functorch.utils import enable_single_level_autograd_function
 from torch.autograd.forward_ad import _set_fwd_grad_enabled
 from torch.autograd.function import _SingleLevelFunction
 
@@ -65,11 +66,25 @@ _LIFTS = {"Grad": _functorch_c.CGradInterpreterPtr, "Jvp": _functorch_c.CJvpInte
 FUNCTION: Any = None
 
 
+def _without_dead_wrappers(t: Tensor) -> Tensor:
+    """``t`` with every dead wrapper around it unwrapped, not only the outermost as torch's
+    ``unwrap_dead_wrappers`` does (torch's dispatcher unwraps one at each level it passes).
+
+    A tensor a transform left behind in a module after it exited (an RNN's ``_flat_weights``
+    after ``jacrev(jacrev(...))`` of a ``functional_call``: measured) is a dead wrapper of a
+    dead wrapper: lifted half-unwrapped, it fails functorch's "escaped?" assertion.
+    """
+    inner = _unwrap_if_dead(t)
+    while inner is not t:
+        t, inner = inner, _unwrap_if_dead(inner)
+    return t
+
+
 def apply(node: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:
     """``FUNCTION.apply(node, *tensors)``, as torch.func would run it at the levels alive now."""
     # a wrapper of a level that has exited (a pullback called after its vjp returned) is unwrapped
     # first, at every level: torch's dispatch_functorch does it, where the C dispatcher would
-    tensors = unwrap_dead_wrappers(tensors)
+    tensors = [_without_dead_wrappers(t) for t in tensors]
     if not _transforms_active():
         return _plain_apply(FUNCTION, node, *tensors)
     top = _peek_interpreter_stack()
