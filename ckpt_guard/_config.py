@@ -191,7 +191,32 @@ def from_environment() -> Config:
     call when nothing is installed: parsing the rules each time costs more
     than the variables' lookup.  A bad value raises at every call, as before.
     """
-    return _config_for_environment(os.environ.get(ENV_POLICY, ""), os.environ.get(ENV_RULES, ""))
+    if _ENVIRON_KEYS is not None:  # os.environ's own dict: .get() raises and catches a KeyError per unset name
+        data = os.environ._data  # type: ignore[attr-defined]
+        raw = (data.get(_ENVIRON_KEYS[0]), data.get(_ENVIRON_KEYS[1]))
+        found = _by_raw_environment.get(raw)
+        if found is not None:
+            return found
+    config = _config_for_environment(os.environ.get(ENV_POLICY, ""), os.environ.get(ENV_RULES, ""))
+    if _ENVIRON_KEYS is not None:
+        if len(_by_raw_environment) >= 8:
+            _by_raw_environment.clear()
+        _by_raw_environment[raw] = config
+    return config
+
+
+def _environ_keys() -> "tuple | None":
+    """The two variables' keys in ``os.environ``'s own dict, where it has one (CPython's ``_Environ``)."""
+    try:
+        data, encode = os.environ._data, os.environ.encodekey  # type: ignore[attr-defined]
+        return (encode(ENV_POLICY), encode(ENV_RULES)) if isinstance(data, dict) else None
+    except Exception:  # noqa: BLE001 - another Python's os.environ: read through .get()
+        return None
+
+
+_ENVIRON_KEYS = _environ_keys()
+#: (the two variables' raw values) -> their configuration (a bad value is never stored: it raises)
+_by_raw_environment: dict = {}
 
 
 @functools.lru_cache(maxsize=8)

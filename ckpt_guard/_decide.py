@@ -445,17 +445,30 @@ _COMPOSABLE_DRIFT = frozenset({"module_training", "optimizer_steps"})
 _COMPOSABLE_DRIFT_INDICES = frozenset(i for i, rule in enumerate(DRIFT_RULES) if rule.read in _COMPOSABLE_DRIFT)
 
 
-def _composable_state(function: Any) -> tuple:
-    """The drift state the composable recompute checks (the rest, as None: it may hold the call's tensors)."""
-    return tuple(v if i in _COMPOSABLE_DRIFT_INDICES else None for i, v in enumerate(capture(function)))
+_TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
+_STEPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "optimizer_steps")
+assert _COMPOSABLE_DRIFT_INDICES == {_TRAINING_INDEX, _STEPS_INDEX}
+_module_training, _optimizer_steps = _state.module_training, _state.optimizer_steps
+
+
+def _composable_state(training: Any, steps: int) -> tuple:
+    """The drift state the composable recompute checks, as a capture has it (the rest, as None: it may
+    hold the call's tensors)."""
+    state: list = [None] * len(DRIFT_RULES)
+    state[_TRAINING_INDEX], state[_STEPS_INDEX] = training, steps
+    return tuple(state)
 
 
 def _check_composable_recompute(
-    function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
+    function: Any, reentrant: bool, config: _config.Config, training: Any, steps: int, site: tuple,
 ) -> list:
-    state = _composable_state(function)
-    if _differs(state, forward_state):
-        return report_drift(function, reentrant, config, forward_state, state, site, only=_COMPOSABLE_DRIFT)
+    # only its two reads, compared as they are (this runs before every recompute); a full state on drift
+    training_now, steps_now = _module_training(function), _optimizer_steps()
+    if steps_now != steps or _differs(training_now, training):
+        return report_drift(
+            function, reentrant, config, _composable_state(training, steps),
+            _composable_state(training_now, steps_now), site, only=_COMPOSABLE_DRIFT,
+        )
     return []
 
 
@@ -466,8 +479,10 @@ def _watch_composable_recompute(built: Any, reentrant: bool, config: _config.Con
     same modules as the call's function but none of the call's tensors.
     """
     forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
+    function = built.function
     built.check_recompute = _partial(
-        _check_composable_recompute, built.function, reentrant, config, _composable_state(built.function), forward_site
+        _check_composable_recompute, function, reentrant, config, _module_training(function), _optimizer_steps(),
+        forward_site,
     )
 
 

@@ -69,6 +69,7 @@ from .basics import (  # noqa: F401
 )
 from .transforms import (  # noqa: F401
     describe_transforms,
+    grad_level_alive,
     interpreter_levels,
     transform_stack,
 )

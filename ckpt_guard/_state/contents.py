@@ -90,25 +90,26 @@ def _argument_roots(
     cells, what a partial binds), for their generators.
     """
     roots: list = []
-    values = [(f"its argument {i + 1}", value) for i, value in enumerate(inputs)]
-    values += [(f"its keyword argument {name!r}", value) for name, value in (keywords or {}).items()]
+    # (label format, its argument, value): a label is written only for what is kept (this runs per call)
+    values = [("its argument {}", i + 1, value) for i, value in enumerate(inputs)]
+    values += [("its keyword argument {!r}", name, value) for name, value in (keywords or {}).items()]
     while type(function) is functools.partial:
-        values += [(f"argument {i + 1} bound by a functools.partial", v) for i, v in enumerate(function.args)]
-        values += [(f"keyword argument {k!r} bound by a functools.partial", v) for k, v in function.keywords.items()]
+        values += [("argument {} bound by a functools.partial", i + 1, v) for i, v in enumerate(function.args)]
+        values += [("keyword argument {!r} bound by a functools.partial", k, v) for k, v in function.keywords.items()]
         function = function.func
     if type(function) is types.FunctionType and function.__closure__:
         for name, cell in zip(function.__code__.co_freevars, function.__closure__):
             try:
-                values.append((f"the closure variable {name!r}", cell.cell_contents))
+                values.append(("the closure variable {!r}", name, cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
-    for label, value in values:
+    for label, which, value in values:
         if type(value) in _ATOMS:
             continue
         if modules is not None and isinstance(value, Module):
             modules.append(value)
         elif _holds_container(value):
-            roots.append((label, value))
+            roots.append((label.format(which), value))
     return roots or None
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from torch._C._functorch import peek_interpreter_stack
 from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
+from torch._C._functorch import TransformType as _TransformType
 
 
 # --------------------------------------------------------------------------
 # functorch transforms
 
 _TRANSFORM_NAMES = {"Grad": "grad", "Vmap": "vmap", "Jvp": "jvp", "Functionalize": "functionalize"}
+#: a TransformType's value -> its name (``key().name`` costs a microsecond; ``key().value`` a third)
+KEY_NAMES = {int(key): name for name, key in _TransformType.__members__.items()}
 
 
 def transform_stack() -> tuple[tuple[str, int], ...]:
@@ -36,7 +39,21 @@ def interpreter_levels() -> tuple[tuple[str, int], ...]:
     stack = _get_interpreter_stack()
     if not stack:
         return ()
-    return tuple([(i.key().name, i.level()) for i in stack])
+    names = KEY_NAMES
+    return tuple([(names[i.key().value], i.level()) for i in stack])
+
+
+_GRAD = int(_TransformType.Grad)
+
+
+def grad_level_alive() -> bool:
+    """Whether a torch.func reverse-mode level (grad, vjp, jacrev, hessian) is alive now."""
+    stack = _get_interpreter_stack()
+    if stack:
+        for interpreter in stack:
+            if interpreter.key().value == _GRAD:
+                return True
+    return False
 
 
 transform_stack.active = peek_interpreter_stack  # type: ignore[attr-defined]
