@@ -10,6 +10,8 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
                run the first forward, pack its outputs into the Function
 ``binding``    the walk: what the block reaches (modules' tensors bound per thread,
                closures, partials, containers, arguments), lifted as inputs
+``shapes``     a module block's walk kept between its calls, checked exhaustively
+               and re-read at each call instead of walked again
 ``proof``      the run-time proof: every tensor needing a gradient the plain run read
                was lifted, or the call is refused
 ``plan``       :class:`Plan`, the node the Function carries: the first forward, what
@@ -23,7 +25,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 =============  ===================================================================
 
 Dependencies point down that table's layers: ``entry`` → ``call`` → ``function`` →
-``plan`` → ``replay`` → ``binding``/``proof``/``basics``; nothing here imports the
+``plan`` → ``replay`` → ``shapes`` → ``binding``/``proof``/``basics``; nothing here imports the
 decision (``_decide``, ``_drift``, ``_messages``) except ``entry``, the one door in
 from ``ckpt_guard.checkpoint``.  The design, as ``jax.checkpoint``'s ``ad_checkpoint.py``
 has it for remat:

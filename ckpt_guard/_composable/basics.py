@@ -8,7 +8,7 @@ anything stateful.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.utils.checkpoint as _tuc
@@ -18,6 +18,7 @@ from .. import _state
 
 
 Tensor = torch.Tensor
+Module = torch.nn.Module
 
 
 def _differentiable_dtype(t: Tensor) -> bool:
@@ -26,8 +27,8 @@ def _differentiable_dtype(t: Tensor) -> bool:
 
 def _base(t: Tensor) -> Tensor:
     """The tensor under every torch.func wrapper."""
-    while _state.is_functorch_wrapped_tensor(t):
-        t = _state.get_unwrapped(t)
+    while _is_wrapped(t):
+        t = _unwrapped(t)
     return t
 
 
@@ -42,16 +43,29 @@ def _version(t: Tensor) -> Optional[int]:
         return None
 
 
-def _tracked(t: Tensor, eager: bool = True) -> bool:
-    """Whether a grad or jvp level wraps ``t`` (at any depth), or (``eager``) it requires grad."""
+def _reach(t: Tensor) -> Tuple[bool, bool]:
+    """``(reachable, tangent reachable)``: whether a grad or jvp level wraps ``t`` (at any depth, through
+    vmap's wrappers) or it requires grad; and whether such a level wraps it (eager requires_grad
+    carries no tangent).  One walk down its wrappers."""
+    requires_grad = False
     while True:
-        if eager and t.requires_grad:
-            return True
-        if not _state.is_functorch_wrapped_tensor(t):
-            return False
+        if t.requires_grad:
+            requires_grad = True
+        if not _is_wrapped(t):
+            return requires_grad, False
         if not is_batchedtensor(t):
-            return True
-        t = _state.get_unwrapped(t)
+            return True, True
+        t = _unwrapped(t)
+
+
+_is_wrapped, _unwrapped = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
+
+
+#: a vmap interpreter's randomness, as torch.func spells it (``VmapInterpreter.randomness()``)
+RANDOMNESS_NAMES = {
+    torch._C._functorch.RandomnessType.Error: "error", torch._C._functorch.RandomnessType.Same: "same",
+    torch._C._functorch.RandomnessType.Different: "different",
+}
 
 
 #: selective checkpointing's forward mode: fallback's plain run and the recompute here leave it out

@@ -41,7 +41,6 @@ in their place, without anything another thread could see:
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -238,42 +237,61 @@ def _bind_attributes(module: Module, names: List[str], delta: int) -> None:
 Binding = Tuple[Module, str, str, Any]  # (module, "_parameters" | "_buffers" | "__dict__", name, value)
 
 
-@contextlib.contextmanager
-def bound(bindings: List[Binding]) -> Iterator[None]:
+def bound(bindings: List[Binding]) -> "_Bound":
     """This thread reads each binding's value at ``module.<name>``; others read the module's own."""
-    if not bindings:
-        yield
-        return
-    thread = _get_ident()
-    stores: List[Tuple[Module, str]] = []
-    attributes: Dict[int, Tuple[Module, List[str]]] = {}
-    seen = set()
-    for module, store, name, _ in bindings:
-        if store == "__dict__":
-            attributes.setdefault(id(module), (module, []))[1].append(name)
-        elif (id(module), store) not in seen:
-            seen.add((id(module), store))
-            stores.append((module, store))
-    with _install_lock:
-        for module, store in stores:
-            _enter(module, store)
-        for module, names in attributes.values():
-            _bind_attributes(module, names, 1)
-    previous = []
-    try:
-        for module, store, name, value in bindings:
+    return _Bound(bindings)
+
+
+class _Bound:
+    """:func:`bound`'s context (a class, not a generator: entered once per recompute)."""
+
+    __slots__ = ("bindings", "stores", "attributes", "previous")
+
+    def __init__(self, bindings: List[Binding]) -> None:
+        self.bindings = bindings
+
+    def __enter__(self) -> None:
+        bindings = self.bindings
+        if not bindings:
+            return
+        thread = _get_ident()
+        stores: List[Tuple[Module, str]] = []
+        attributes: Dict[int, Tuple[Module, List[str]]] = {}
+        seen = set()
+        for module, store, name, _ in bindings:
             if store == "__dict__":
-                views = _attribute_views.setdefault(id(module), {})
-            else:
-                views = module.__dict__[store].views
-            view = views.get(thread)
-            if view is None:
-                view = views[thread] = {}
-            previous.append((views, view, name, view.get(name, _ABSENT)))
-            view[name] = value
-        yield
-    finally:
-        for views, view, name, was in reversed(previous):
+                attributes.setdefault(id(module), (module, []))[1].append(name)
+            elif (id(module), store) not in seen:
+                seen.add((id(module), store))
+                stores.append((module, store))
+        with _install_lock:
+            for module, store in stores:
+                _enter(module, store)
+            for module, names in attributes.values():
+                _bind_attributes(module, names, 1)
+        self.stores, self.attributes = stores, attributes
+        previous: list = []
+        self.previous = previous
+        try:
+            for module, store, name, value in bindings:
+                if store == "__dict__":
+                    views = _attribute_views.setdefault(id(module), {})
+                else:
+                    views = module.__dict__[store].views
+                view = views.get(thread)
+                if view is None:
+                    view = views[thread] = {}
+                previous.append((views, view, name, view.get(name, _ABSENT)))
+                view[name] = value
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.bindings:
+            return
+        thread = _get_ident()
+        for views, view, name, was in reversed(self.previous):
             if was is _ABSENT:
                 view.pop(name, None)
             else:
@@ -281,11 +299,11 @@ def bound(bindings: List[Binding]) -> Iterator[None]:
             if not view:
                 views.pop(thread, None)
         with _install_lock:
-            for module, names in attributes.values():
+            for module, names in self.attributes.values():
                 _bind_attributes(module, names, -1)
                 if id(module) not in _stand_ins:
                     _attribute_views.pop(id(module), None)
-            for module, store in stores:
+            for module, store in self.stores:
                 _leave(module, store)
 
 
@@ -560,6 +578,9 @@ class Holdings:
     exhausted: bool  # the walk ran out of budget: what lies past it is left to the proof
     #: (module, name, value): the modules' plain numbers, flags and strings (NumPy scalars too)
     scalars: List[Tuple[Module, str, Any]] = dataclasses.field(default_factory=list)
+    #: whether the ``attributes`` that are not tensors are known to hold no tensor, module or hook
+    #: (a kept shape checked them): a recompute then has nothing of theirs to rebuild or bind
+    plain_attributes: bool = False
 
 
 def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:

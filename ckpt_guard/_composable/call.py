@@ -16,10 +16,11 @@ import torch
 
 from . import levels as _levels
 from . import binding as _rebind
+from . import shapes as _shapes
 from . import counters
 from .. import _state
 from .basics import Tensor, _base, _carries_gradient
-from .function import _GRAD  # importing it sets levels.FUNCTION
+from . import function as _function  # noqa: F401 - importing it sets levels.FUNCTION
 from .plan import Plan
 from .refusals import NOTHING_TO_SAVE, Reason, Refused
 from .replay import _SET_STANCE, _compiled, _output_tensors
@@ -45,7 +46,7 @@ def plan(
     why = _why_not_packed(function, args, kwargs)
     held = None
     if why is None:
-        held = _rebind.holdings(function, args, kwargs)
+        held = _shapes.holdings(function, args, kwargs)  # the walk, or its answer kept from the last call
         why = _why_not_packed_held(function, held)
     if why is not None:
         if held is None:
@@ -133,9 +134,8 @@ def _why_not_packed_held(function: Any, held: _rebind.Holdings) -> Optional[str]
 def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) -> bool:
     """Before the block runs: whether reverse mode might differentiate it (a grad level, or eager
     autograd with a tensor it reads requiring grad).  If not, a plain run keeps nothing to save."""
-    if _state.peek_interpreter_stack() is not None:
-        if any(name == _GRAD for name, _ in _state.interpreter_levels()):
-            return True
+    if _state.grad_level_alive():
+        return True
     if not torch.is_grad_enabled():
         return False
     tensors = [*held.tensors, *held.arguments, *held.unbindable]
@@ -243,9 +243,8 @@ def _reverse_mode_can_follow(outputs: Sequence[Tensor]) -> bool:
     Where neither can (``jvp``, ``jacfwd``, ``vmap`` with nothing requiring
     grad), the plain run kept no activations: it is the result.
     """
-    if _state.peek_interpreter_stack() is not None:
-        if any(name == _GRAD for name, _ in _state.interpreter_levels()):
-            return True
+    if _state.grad_level_alive():
+        return True
     return any(_base(t).requires_grad for t in outputs)
 
 

@@ -17,7 +17,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch._C._functorch import _unwrap_for_grad, _wrap_for_grad, is_batchedtensor, maybe_get_level
-from torch._C._functorch import current_level as _current_level
 from torch._C._functorch import CGradInterpreterPtr as _CGradInterpreterPtr
 from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 from torch._functorch import pyfunctorch
@@ -115,20 +114,13 @@ class _Batched:
         self.out_batched: List[bool] = [d is not None for d in precomputed_dims]
 
     def _vmapped(self, inner: Callable[..., Tuple[Tensor, ...]], tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        found: List[bool] = []
         in_dims, operands = self.in_dims, tuple(tensors)
         if all(d is None for d in in_dims):
             # only the block's random draws are batched (randomness="different" over unbatched
             # inputs): torch.vmap needs a batched operand to know the batch size
             in_dims, operands = (*in_dims, 0), (*operands, torch.empty(self.batch_size, 0))
-
-        def per_sample(*ts: Tensor) -> Tuple[Tensor, ...]:
-            outputs = inner(ts[: len(tensors)])
-            level = _current_level()
-            found[:] = [_batched_at(o, level) for o in outputs]
-            return outputs
-
-        outputs = torch.vmap(per_sample, in_dims=in_dims, randomness=self.randomness)(*operands)
+        n = len(tensors)
+        outputs, found = _levels.vmap(lambda *ts: inner(ts[:n]), operands, in_dims, self.batch_size, self.randomness)
         if not self.out_batched:
             self.out_batched = found
         # an output the batch did not reach stays as it was: torch.vmap expands it (stride 0), and
@@ -241,13 +233,15 @@ def _unexpanded(t: Tensor) -> Tensor:
 # will anything differentiate this backward (or these tangents) again?
 
 _GRAD = "Grad"
+_GRAD_KEY, _VMAP_KEY = int(torch._C._functorch.TransformType.Grad), int(torch._C._functorch.TransformType.Vmap)
 
 
 def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
     """The live grad or jvp level the saved tensors are wrapped at (the node's own), or None."""
     level = None
+    wrapped = _state.is_functorch_wrapped_tensor
     for t in tensors:
-        if _state.is_functorch_wrapped_tensor(t) and not is_batchedtensor(t):
+        if wrapped(t) and not is_batchedtensor(t):
             found = maybe_get_level(t)  # -2: a dead wrapper (its transform has exited)
             if found >= 0 and (level is None or found > level):
                 level = found
@@ -256,25 +250,32 @@ def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
 
 def _differentiated_again(
     saved: Sequence[Tensor], incoming: Sequence[Optional[Tensor]], own: Any = "saved",
+    saved_require_grad: Optional[bool] = None,
 ) -> bool:
     """Whether reverse mode (a live grad level, or eager autograd) will differentiate what this derivative returns.
 
     Forward mode (a jvp level, a dual level) differentiates it too, but as it
     runs, keeping nothing: computed directly, it costs one recompute less than
     checkpointed, and no more memory (``jvp(grad)``, ``hessian``).
+    ``saved_require_grad``: whether a saved tensor requires grad under all its
+    wrappers, where the node knows (a plan read it at its forward).
     """
     if own == "saved":  # the level whose node this is: the saved tensors' (a jvp passes its own)
         own = _own_level(saved)
     eager_grad_mode = None
     for interpreter in _get_interpreter_stack() or ():  # C interpreters: cheap to read
-        if interpreter.key().name == _GRAD:
+        if interpreter.key().value == _GRAD_KEY:
             if interpreter.level() != own:
                 return True
             if eager_grad_mode is None:
                 eager_grad_mode = _CGradInterpreterPtr(interpreter).prevGradMode()
     if eager_grad_mode is None:
         eager_grad_mode = torch.is_grad_enabled()
-    return bool(eager_grad_mode) and any(t is not None and _base(t).requires_grad for t in (*saved, *incoming))
+    if not eager_grad_mode:
+        return False
+    if saved_require_grad is None:
+        saved_require_grad = any(_base(t).requires_grad for t in saved)
+    return saved_require_grad or any(t is not None and _base(t).requires_grad for t in incoming)
 
 
 def _batched_at(t: Tensor, level: int) -> bool:
@@ -285,21 +286,32 @@ def _batched_at(t: Tensor, level: int) -> bool:
     return False
 
 
-@contextlib.contextmanager
 def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
     """Pop the vmap levels on top of the stack that batch none of ``primals`` (a jacrev's).
 
     The forward never ran under them, so the recompute's linearization must not
     either (its random draws would be refused or batched); the pullback, which
-    takes the batched cotangents, runs under them as usual.
+    takes the batched cotangents, runs under them as usual.  (Usually there is
+    none: a context that does nothing, without a generator.)
     """
+    top = _state.peek_interpreter_stack()
+    if top is None or top.key().value != _VMAP_KEY or any(_batched_at(p, top.level()) for p in primals):
+        return _NO_CONTEXT
+    return _vmaps_set_aside(primals)
+
+
+@contextlib.contextmanager
+def _vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
     with contextlib.ExitStack() as stack:
         while _state.peek_interpreter_stack() is not None:
             top = pyfunctorch.retrieve_current_functorch_interpreter()
-            if top.key().name != "Vmap" or any(_batched_at(p, top.level()) for p in primals):
+            if top.key().value != _VMAP_KEY or any(_batched_at(p, top.level()) for p in primals):
                 break
             stack.enter_context(pyfunctorch.temporarily_pop_interpreter_stack())
         yield
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 class _Recompute(torch.autograd.Function):
@@ -341,7 +353,7 @@ class _Recompute(torch.autograd.Function):
         if not wanted:
             return (None,) * (1 + len(tensors)) + extra
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
-        if _differentiated_again(tensors, cotangents):
+        if _differentiated_again(tensors, cotangents, saved_require_grad=getattr(plan, "eager_requires_grad", None)):
             derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
             grads = _levels.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
         else:  # nothing differentiates this again: no graph kept, the least memory

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +26,7 @@ from . import binding as _rebind
 from . import counters
 from .. import _state
 from .basics import (
-    SELECTIVE_CACHING_MODE, Tensor, _base, _carries_gradient, _differentiable_dtype, _tracked, _version,
+    SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
 )
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
@@ -66,8 +67,17 @@ class Plan:
         # The block as a graph with holes where the inputs go: the plan lives as long as the
         # backward may run, and must not hold the call's tensors (nor the graphs they hold).
         index = {key: i for i, key in enumerate(inputs)}
-        template = _rebind._Rebuild({key: _rebind.Hole(i) for key, i in index.items()})
-        self.function = template(held.frozen)[0]  # its closures frozen (see the module docstring)
+        templates: list = []  # made once, where something is templated (a module block on tensors: nothing)
+
+        def template(value: Any) -> Tuple[Any, bool]:
+            if not templates:
+                templates.append(_rebind._Rebuild({key: _rebind.Hole(i) for key, i in index.items()}))
+            return templates[0](value)
+
+        if isinstance(held.frozen, Module):  # a module is bound, never rebuilt
+            self.function, function_holes = held.frozen, False
+        else:
+            self.function, function_holes = template(held.frozen)  # its closures frozen (see the module docstring)
         #: the arguments as input indices where they are all lifted tensors (``checkpoint(block, h)``,
         #: the usual call): each recompute hands them on without walking a template; else None
         self.flat_args: Optional[List[int]] = None
@@ -85,11 +95,15 @@ class Plan:
         #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
         #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
         #: forward still runs in the recompute, as it ran in the forward)
-        self.attributes = [
-            (module, name, template(collections.OrderedDict(value) if hooks else value)[0], hooks)
-            for module, name, value in attributes
-            for hooks in [name in _rebind._FORWARD_HOOKS]
-        ]
+        self.attributes = []
+        #: whether a recompute rebuilds anything (the function, its arguments, a module attribute
+        #: holding a lifted tensor, a hook dict bound always): else it calls ``function`` as it is
+        self.templated = function_holes or self.flat_args is None
+        for module, name, value in () if held.plain_attributes else attributes:
+            hooks = name in _rebind._FORWARD_HOOKS
+            kept, holes = template(collections.OrderedDict(value) if hooks else value)
+            self.attributes.append((module, name, kept, hooks))
+            self.templated = self.templated or holes or hooks
         #: the global module hooks (register_module_forward_hook) at the call, if any: each recompute
         #: runs under them, as the forward did, also after the user removed one
         self.global_hooks = _global_hooks()
@@ -97,13 +111,19 @@ class Plan:
         self.attribute_names = [(module, name) for module, name, _ in attributes]
         self.grad_mode = torch.is_grad_enabled()
         #: inputs that required grad at the call: the forward makes them require grad too
-        self.needs = [t.requires_grad and _differentiable_dtype(t) for t in self.inputs]
+        self.needs: List[bool] = []
         #: inputs a gradient or a tangent can reach: those a grad or jvp level wraps, or that
         #: require grad (a buffer's tangent is a zero the transform made up: not passed on)
-        self.reachable = [_differentiable_dtype(t) and _tracked(t) for t in self.inputs]
+        self.reachable: List[bool] = []
         #: ... of which these a tangent can reach (a grad or jvp level wraps them: eager
         #: requires_grad carries no tangent)
-        self.tangent_reachable = [r and _tracked(t, eager=False) for r, t in zip(self.reachable, self.inputs)]
+        self.tangent_reachable: List[bool] = []
+        for t in self.inputs:  # one pass: this runs per call, and each read goes through the wrappers
+            differentiable = _differentiable_dtype(t)
+            reachable, tangent = _reach(t) if differentiable else (False, False)
+            self.needs.append(differentiable and t.requires_grad)
+            self.reachable.append(reachable)
+            self.tangent_reachable.append(tangent)
         self.context_fn = context_fn
         #: the Function's operands: these inputs, then the plain run's output tensors (precomputed)
         self.n_inputs = len(self.inputs)
@@ -118,6 +138,9 @@ class Plan:
         #: the versions, once the forward has run, of the inputs it read (None for the others):
         #: every recompute checks them
         self.versions_after: List[Optional[int]] = []
+        #: whether an input requires grad under all its wrappers (eager autograd may differentiate
+        #: a backward then: ``function._differentiated_again``); None until the forward has run
+        self.eager_requires_grad: Optional[bool] = None
         #: the indices of the inputs the first forward read (None: not known, all are checked)
         self.read: Optional[set] = None
         #: input index -> its value before the forward updated it in place (see for_recompute)
@@ -166,21 +189,23 @@ class Plan:
         """
         if self.written:
             tensors = [t.clone() if i in self.written else t for i, t in enumerate(tensors)]
-        rebuild = _rebind._Rebuild({}, fill=tensors)
+        rebuild = _rebind._Rebuild({}, fill=tensors) if self.templated else None
         bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
         for module, name, value in self.scalars:
             now = module.__dict__.get(name, _rebind._ABSENT)
             if now is not value and not (type(now) is type(value) and now == value):
                 bindings.append((module, "__dict__", name, value))
-        for module, name, value, always in self.attributes:
-            new, changed = rebuild(value)
-            if changed or always:
-                bindings.append((module, "__dict__", name, new))
-        with _rebind.bound(bindings), _global_hooks_as(self.global_hooks), _compiled_code_eager():
-            function = rebuild(self.function)[0]
+        if rebuild is not None:
+            for module, name, value, always in self.attributes:
+                new, changed = rebuild(value)
+                if changed or always:
+                    bindings.append((module, "__dict__", name, new))
+        hooks = _global_hooks_as(self.global_hooks) if self.global_hooks is not None or _global_hooks() else None
+        with _rebind.bound(bindings), hooks or _NO_CONTEXT, _compiled_code_eager():
+            function = self.function if rebuild is None else rebuild(self.function)[0]
             if self.flat_args is not None:
                 return function(*[tensors[i] for i in self.flat_args])
-            args, kwargs = rebuild(self.call_args)[0]
+            args, kwargs = rebuild(self.call_args)[0]  # type: ignore[misc]
             return function(*args, **kwargs)
 
     def _given_containers(self) -> list:
@@ -219,7 +244,9 @@ class Plan:
         if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
             with forward_context, _plain_nested_checkpoints():
                 return self.original_function(*self.args, **self.kwargs)
-        self.versions = [_version(_base(t)) for t in inputs]  # a wrapper's own counter never moves
+        bases = [_base(t) for t in inputs]  # a wrapper's own version counter never moves: its base's does
+        self.versions = [_version(b) for b in bases]
+        self.eager_requires_grad = any(b.requires_grad for b in bases)
         self.vmaps_at_forward = _vmap_levels()
         given = _state.contents_snapshot(self._given_containers())
         level = _current_level() if _state.peek_interpreter_stack() is not None else -1
@@ -232,17 +259,20 @@ class Plan:
                 with check:
                     output = self.original_function(*self.args, **self.kwargs)
         found = _output_tensors(output)
+        after = [_version(b) for b in bases]
         if check is not None:
             check.check_outputs(found)
             self.generators = list(check.generators.values())
             if check.refused is not None:
                 self.refusal = _describe_unlifted(self, check.refused)
                 return output
-            self.refusal = self._unseen_update(check)
+            self.refusal = self._unseen_update(check, after)
             if self.refusal is not None:
                 return output
             self.constants = list(check.constants.values())
-            self.pre_forward = {i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i])}
+            self.pre_forward = {
+                i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i], after[i])
+            }
             self.rewritten = frozenset(check.rewritten)
             self.written = frozenset(self.pre_forward) | self.rewritten
             self.read = None if check.unseen_reads else check.read
@@ -251,9 +281,7 @@ class Plan:
             if self.refusal is not None:
                 return output
         read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
-        self.versions_after = [
-            _version(_base(t)) if read is None or i in read else None for i, t in enumerate(inputs)
-        ]
+        self.versions_after = after if read is None else [v if i in read else None for i, v in enumerate(after)]
         self.output_template = output
         self.output_ids = [id(t) for t in found]
         self.output_kept = [_differentiable_dtype(t) for t in found]
@@ -264,7 +292,7 @@ class Plan:
         the Function's jvp rule of that level to hand on (see :meth:`take_tangents`)."""
         self.tangents = None
         top = _state.peek_interpreter_stack()
-        if top is None or top.key().name != "Jvp":
+        if top is None or top.key().value != _JVP:
             return
         level = top.level()
         tangents = []
@@ -300,15 +328,13 @@ class Plan:
         must not alias what it saves for backward).
         """
         found = _output_tensors(output)
+        addresses = [_proof._storage_address(t) for t in found]
         storages = None
-        kept = []
-        for t in found:
-            if storages is None and any(_proof._storage_address(t) is not None for t in found):
-                storages = {_proof._storage_address(i) for i in self.inputs}
-            if storages and _proof._storage_address(t) in storages:
-                t = t.clone()
-            kept.append(t.detach())
-        return kept
+        if any(a is not None for a in addresses):
+            storages = {_proof._storage_address(i) for i in self.inputs}
+        return [
+            (t.clone() if storages and address in storages else t).detach() for t, address in zip(found, addresses)
+        ]
 
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         """The Function's forward: the plain run's outputs, as they arrive at this level (never a rerun)."""
@@ -344,10 +370,10 @@ class Plan:
                 )
         return tuple(tensors)
 
-    def _unseen_update(self, check: _proof.ReadCheck) -> Optional[str]:
+    def _unseen_update(self, check: _proof.ReadCheck, after: List[Optional[int]]) -> Optional[str]:
         """Why the call cannot be packed, if the forward moved an input's version with no copy kept."""
-        for i, (t, was) in enumerate(zip(self.inputs, self.versions)):
-            if was is None or _version(_base(t)) == was or i in check.before or i in check.rewritten:
+        for i, (t, was, now) in enumerate(zip(self.inputs, self.versions, after)):
+            if was is None or now == was or i in check.before or i in check.rewritten:
                 continue
             path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
             return Reason(
@@ -379,13 +405,16 @@ class Plan:
                     best = f"{type(outer).__name__}.{path}"
         return f"{best or type(module).__name__}.{name}"
 
-    def _updated(self, i: int, kept: Tensor, now: Tensor) -> bool:
+    def _updated(self, i: int, kept: Tensor, now: Tensor, version: Optional[int]) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)
-        return self.versions[i] != _version(_base(now)) or not torch.equal(_base(kept), _base(now))
+        return self.versions[i] != version or not torch.equal(_base(kept), _base(now))
 
     def rebuild(self, outputs: Sequence[Tensor]) -> Any:
         """The block's output with the Function's outputs in place of the forward's tensors."""
-        return _rebind.rebuild(self.output_template, dict(zip(self.output_ids, outputs)))
+        template = self.output_template
+        if isinstance(template, Tensor):  # the usual block: one tensor out
+            return outputs[0]
+        return _rebind.rebuild(template, dict(zip(self.output_ids, outputs)))
 
     def differentiable_outputs(self) -> List[bool]:
         return self.output_kept
@@ -397,50 +426,87 @@ class Plan:
 
     def capture_forward_state(self, tensors: Sequence[Tensor]) -> None:
         self.default_dtype = torch.get_default_dtype()
-        if all(t.device.type == "cpu" for t in tensors):  # torch's answer then, without its pytree walk
+        if all(t.is_cpu for t in tensors):  # torch's answer then, without its pytree walk
             device_type = _tuc.DefaultDeviceType.get_device_type()
         else:
             device_type = _tuc._infer_device_type(*tensors)
-        self.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
+        if _any_autocast():
+            self.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
+        else:  # the usual case: none on, and nothing to put back unless a recompute finds one on
+            self.autocast = (device_type, None, None)
         device_module = getattr(torch, device_type, None)
         devices, states = ([], [])
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
             devices, states = _tuc.get_device_states(*tensors)
         self.rng = (torch.get_rng_state(), devices, states, device_type)
 
-    @contextlib.contextmanager
-    def replay(self) -> Any:
+    def replay(self) -> "_Replay":
         """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute.
 
         Only what differs from now is entered (a recompute in the backward
         usually runs where the forward ran: same dtype, autocast off): each
         context costs microseconds, and a recompute runs per block per step.
         """
-        replays = self.check_recompute() or ()
+        return _Replay(self)
+
+    def _replays(self) -> list:
+        """The contexts one recompute enters, in order (see :meth:`replay`)."""
+        contexts = list(self.check_recompute() or ())  # fallback: a module's train/eval mode as in the forward
+        if torch.get_default_dtype() != self.default_dtype:
+            contexts.append(default_dtype(self.default_dtype))
+        if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
+            contexts.append(torch.device(self.default_device))
+        contexts.append(_forward_rng(*self.rng))
+        if self.generators:
+            # the recompute draws are not the program's: each is left where the program had it
+            contexts.append(_state.replaying_generators(self.generators, lock=False))
+        if self.contents:
+            contexts.append(_state.replaying_contents(self.contents, lock=False))
         device_type, device_autocast, cpu_autocast = self.autocast
-        with contextlib.ExitStack() as stack:
-            for replay in replays:  # fallback: a module's train/eval mode as in the forward
-                stack.enter_context(replay)
-            if torch.get_default_dtype() != self.default_dtype:
-                stack.enter_context(default_dtype(self.default_dtype))
-            if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
-                stack.enter_context(torch.device(self.default_device))
-            stack.enter_context(_forward_rng(*self.rng))
-            if self.generators:
-                # the recompute draws are not the program's: each is left where the program had it
-                stack.enter_context(_state.replaying_generators(self.generators, lock=False))
-            if self.contents:
-                stack.enter_context(_state.replaying_contents(self.contents, lock=False))
+        if cpu_autocast is not None or _any_autocast():
+            if cpu_autocast is None:  # none was on in the forward: whichever is on now is switched off
+                device_autocast, cpu_autocast = (
+                    None if kwargs is None else {**kwargs, "enabled": False}
+                    for kwargs in _tuc._get_autocast_kwargs(device_type)
+                )
             device_now, cpu_now = _tuc._get_autocast_kwargs(device_type)  # how torch's checkpoint records them
             if device_type != "cpu" and device_autocast is not None and device_autocast != device_now:
-                stack.enter_context(torch.amp.autocast(device_type=device_type, **device_autocast))
+                contexts.append(torch.amp.autocast(device_type=device_type, **device_autocast))
             if cpu_autocast != cpu_now:
-                stack.enter_context(torch.amp.autocast("cpu", **cpu_autocast))
-            if self.recompute_context is not _NO_CONTEXT:
-                stack.enter_context(self.recompute_context)
-            stack.enter_context(_plain_nested_checkpoints())
-            yield
-        counters.RECOMPUTES += 1
+                contexts.append(torch.amp.autocast("cpu", **cpu_autocast))
+        if self.recompute_context is not _NO_CONTEXT:
+            contexts.append(self.recompute_context)
+        contexts.append(_plain_nested_checkpoints())
+        return contexts
+
+
+_any_autocast = torch._C._is_any_autocast_enabled
+_JVP = int(torch._C._functorch.TransformType.Jvp)
+
+
+class _Replay:
+    """:meth:`Plan.replay`'s context: a class, not a generator (entered once per recompute)."""
+
+    __slots__ = ("plan", "stack")
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        try:
+            for context in self.plan._replays():
+                stack.enter_context(context)
+        except BaseException:  # a context that fails to enter: those entered are left
+            stack.__exit__(*sys.exc_info())
+            raise
+        self.stack = stack
+
+    def __exit__(self, *exc: Any) -> Any:
+        suppressed = self.stack.__exit__(*exc)
+        if exc[0] is None:
+            counters.RECOMPUTES += 1
+        return suppressed
 
 
 def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> Reason:

@@ -16,33 +16,46 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.utils.checkpoint as _tuc
 from torch._C._functorch import current_level as _current_level
-from torch._functorch import pyfunctorch
+from torch._C._functorch import CVmapInterpreterPtr as _CVmapInterpreterPtr
+from torch._C._functorch import TransformType as _TransformType, get_interpreter_stack as _get_interpreter_stack
 
 from . import binding as _rebind
 from .. import _config, _state
-from .basics import Tensor
+from .basics import RANDOMNESS_NAMES, Tensor
 from .refusals import Reason
 
 
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _forward_rng(cpu_state: Tensor, devices: list, states: list, device_type: str) -> Any:
+class _ForwardRng:
     """The forward's RNG states while a recompute runs, the program's back afterwards (``fork_rng``'s job,
-    for the devices the forward's inputs were on)."""
-    device_module = getattr(torch, device_type, None) if devices else None
-    program_cpu = torch.get_rng_state()
-    program_devices = [device_module.get_rng_state(d) for d in devices] if devices else []
-    torch.set_rng_state(cpu_state)
-    if devices:
-        _tuc.set_device_states(devices, states)
-    try:
-        yield
-    finally:
+    for the devices the forward's inputs were on).  A class, not a generator: entered per recompute."""
+
+    __slots__ = ("cpu_state", "devices", "states", "device_type", "program")
+
+    def __init__(self, cpu_state: Tensor, devices: list, states: list, device_type: str) -> None:
+        self.cpu_state, self.devices, self.states, self.device_type = cpu_state, devices, states, device_type
+
+    def __enter__(self) -> None:
+        devices = self.devices
+        device_module = getattr(torch, self.device_type, None) if devices else None
+        self.program = (
+            torch.get_rng_state(), device_module, [device_module.get_rng_state(d) for d in devices] if devices else [],
+        )
+        torch.set_rng_state(self.cpu_state)
+        if devices:
+            _tuc.set_device_states(devices, self.states)
+
+    def __exit__(self, *exc: Any) -> None:
+        program_cpu, device_module, program_devices = self.program
         torch.set_rng_state(program_cpu)
-        for device, state in zip(devices, program_devices):
+        for device, state in zip(self.devices, program_devices):
             device_module.set_rng_state(state, device)
+
+
+def _forward_rng(cpu_state: Tensor, devices: list, states: list, device_type: str) -> _ForwardRng:
+    return _ForwardRng(cpu_state, devices, states, device_type)
 
 
 def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
@@ -65,6 +78,8 @@ def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
 
 def _output_tensors(output: Any) -> List[Tensor]:
     """The tensors in a block's output (any structure: containers, dataclasses, objects), once each."""
+    if isinstance(output, Tensor):  # the usual block: one tensor out
+        return [output]
     found: dict = {}
 
     def visit(obj: Any, bindable: bool) -> None:
@@ -83,13 +98,16 @@ _GLOBAL_HOOKS = tuple(
 _GLOBAL_HOOKS_LOCK = __import__("threading").Lock()
 
 
+_MODULE_GLOBALS = vars(torch.nn.modules.module)
+
+
 def _global_hooks() -> Optional[tuple]:
     """A copy of each global module-hook dict, or None where all are empty (the usual case)."""
-    module = torch.nn.modules.module
-    dicts = [getattr(module, name) for name in _GLOBAL_HOOKS]
-    if not any(dicts):
-        return None
-    return tuple(dict(d) for d in dicts)
+    names = _MODULE_GLOBALS
+    for name in _GLOBAL_HOOKS:
+        if names[name]:
+            return tuple(dict(names[name]) for name in _GLOBAL_HOOKS)
+    return None
 
 
 @contextlib.contextmanager
@@ -127,14 +145,20 @@ def _vmap_level_of_rule() -> int:
     return (_current_level() if _state.peek_interpreter_stack() is not None else 0) + 1
 
 
+_VMAP = _TransformType.Vmap
+
+
 def _vmap_levels() -> frozenset:
-    """(level, batch size, randomness) of each vmap alive now."""
-    if not any(name == "Vmap" for name, _ in _state.interpreter_levels()):
+    """(level, batch size, randomness) of each vmap alive now, read off the C interpreters."""
+    stack = _get_interpreter_stack()
+    if not stack:
         return frozenset()
-    return frozenset(
-        (i.level(), i.batch_size(), i.randomness())
-        for i in pyfunctorch.retrieve_all_functorch_interpreters() if i.key().name == "Vmap"
-    )
+    found = []
+    for interpreter in stack:
+        if interpreter.key() == _VMAP:
+            vmap = _CVmapInterpreterPtr(interpreter)
+            found.append((interpreter.level(), vmap.batchSize(), RANDOMNESS_NAMES[vmap.randomness()]))
+    return frozenset(found)
 
 
 def _forward_mode_alive() -> bool:
@@ -157,14 +181,23 @@ def default_dtype(dtype: torch.dtype) -> Any:
         torch.set_default_dtype(previous)
 
 
-@contextlib.contextmanager
-def _plain_nested_checkpoints() -> Any:
+class _PlainNestedCheckpoints:
     """Checkpoints inside the block run as plain calls (the guard's "plain" scope)."""
-    token = _config.push_scope(_config.PLAIN)
-    try:
-        yield
-    finally:
-        _config.pop_scope(token)
+
+    __slots__ = ("token",)
+
+    def __enter__(self) -> None:
+        self.token = _push_scope(_PLAIN)
+
+    def __exit__(self, *exc: Any) -> None:
+        _pop_scope(self.token)
+
+
+def _plain_nested_checkpoints() -> _PlainNestedCheckpoints:
+    return _PlainNestedCheckpoints()
+
+
+_push_scope, _pop_scope, _PLAIN = _config.push_scope, _config.pop_scope, _config.PLAIN
 
 
 def _compiled(function: Any) -> bool:
@@ -231,8 +264,10 @@ class _SharedEagerStance:
             if set_raw is not None:
                 self.force_eager = getattr(eval_frame, "_stance", None)
             return lambda: stance.__exit__(None, None, None)
-        prior = set_raw(self.force_eager)
-        return lambda: set_raw(prior)
+        # what dynamo's _set_stance does, past its check that no torch.compile region is running (none
+        # is: the composable recompute is never traced); that check imports its C reader per call
+        prior, eval_frame._stance = eval_frame._stance, self.force_eager
+        return lambda: setattr(eval_frame, "_stance", prior)
 
 
 _EAGER_STANCE = _SharedEagerStance()
