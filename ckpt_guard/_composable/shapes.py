@@ -271,8 +271,16 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> _rebind.Holdings:
             shape = None
     if len(_kept) >= 4096:
         _kept.clear()
-    _kept[id(function)] = (weakref.ref(function), shape)
+    key = id(function)
+    _kept[key] = (weakref.ref(function, functools.partial(_dropped, key)), shape)
     return held
+
+
+def _dropped(key: int, ref: Any) -> None:
+    """A kept block was collected: its entry goes with it (unless the id was taken again since)."""
+    found = _kept.get(key)
+    if found is not None and found[0] is ref:
+        del _kept[key]
 
 
 def forget() -> None:
