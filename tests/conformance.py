@@ -306,6 +306,36 @@ def _plain(function, *args):
     return function(*args)
 
 
+# save policies (selective checkpointing): torch's own API since 2.5, its compile-only form before
+_aten = torch.ops.aten
+#: the matrix's matmuls: what a "save matmuls" policy keeps (JAX's dots_saveable)
+MATMULS = frozenset({_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default})
+
+
+def _save_policy_context(keep: Callable[[Any], bool]) -> Any:
+    """A ``context_fn`` for torch's selective checkpointing that saves the ops ``keep`` says."""
+    import torch.utils.checkpoint as tuc
+
+    if hasattr(tuc, "create_selective_checkpoint_contexts"):
+        def policy(ctx, op, *args, **kwargs):
+            return tuc.CheckpointPolicy.MUST_SAVE if keep(op) else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+        return functools.partial(tuc.create_selective_checkpoint_contexts, policy)
+    return functools.partial(tuc._pt2_selective_checkpoint_context_fn_gen, lambda mode, op, *a, **k: keep(op))
+
+
+SAVE_MATMULS = _save_policy_context(lambda op: op in MATMULS)
+SAVE_EVERYTHING = _save_policy_context(lambda op: True)
+
+
+def _save_matmuls(function, *args):
+    return ckpt_guard.checkpoint(function, *args, context_fn=SAVE_MATMULS)
+
+
+def _nr_save_everything(function, *args):
+    return torch_checkpoint(function, *args, use_reentrant=False, context_fn=SAVE_EVERYTHING)
+
+
 #: entry -> (policy, the checkpoint function the blocks are called through)
 ENTRIES: Dict[str, Tuple[str, Any]] = {
     "ckpt_guard.checkpoint, strict": ("strict", ckpt_guard.checkpoint),
@@ -315,7 +345,14 @@ ENTRIES: Dict[str, Tuple[str, Any]] = {
     "torch checkpoint_sequential, fallback": ("fallback", "sequential"),
     "nested ckpt_guard.checkpoint, fallback": ("fallback", "nested"),
     "recursive ckpt_guard.checkpoint, strict": ("strict", "recursive"),
+    "ckpt_guard.checkpoint, save matmuls, strict": ("strict", _save_matmuls),
+    "torch checkpoint (non-reentrant), save everything, fallback": ("fallback", _nr_save_everything),
 }
+#: the entries with a save policy (a conformance axis of their own: issue 31)
+POLICY_ENTRIES = (
+    "ckpt_guard.checkpoint, save matmuls, strict", "torch checkpoint (non-reentrant), save everything, fallback",
+)
+
 
 
 class Net(nn.Module):
@@ -640,6 +677,21 @@ def refusal_class(text: str) -> str:
 
 
 def run_cell(cell: Cell) -> Outcome:
+    # torch's own selective checkpointing under linearize (make_fx) writes torch.fx.traceback's
+    # process-wide current_meta and leaves it ({'ac_graph_id': None, 'recompute': ...}, measured on
+    # torch 2.13 without ckpt_guard); a later torch.compile of a checkpoint with aot_eager then
+    # fails comparing None with an int. Each cell leaves that dict as it found it.
+    import torch.fx.traceback as fx_traceback
+
+    meta = dict(fx_traceback.current_meta)
+    try:
+        return _run_cell(cell)
+    finally:
+        fx_traceback.current_meta.clear()
+        fx_traceback.current_meta.update(meta)
+
+
+def _run_cell(cell: Cell) -> Outcome:
     if cell.access == "module" and cell.transform in OVER_PARAMETERS:
         return Outcome("n/a", "the transform takes the parameters; the module keeps its own here")
     if cell.entry == "torch checkpoint_sequential, fallback" and cell.access != "module":
@@ -699,7 +751,7 @@ def _short(exc: BaseException) -> str:
 # which cells: the full cross where it matters most, pairwise for the rest
 
 MAIN_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback",
-                "torch checkpoint (non-reentrant), fallback")
+                "torch checkpoint (non-reentrant), fallback", *POLICY_ENTRIES)
 
 
 def _pairwise(axes: List[Tuple[str, ...]]) -> List[Tuple[str, ...]]:

@@ -774,8 +774,8 @@ def test_public_checkpoint_refuses_use_reentrant_true():
 
 @pytest.mark.parametrize("how", ["ckpt_guard.checkpoint", "fallback"])
 def test_selective_checkpointing_context_fn_under_grad(how):
-    """SAC's op cache cannot line up with a functional recompute (before: "not found in storage"):
-    everything is recomputed instead, which its policy allows."""
+    """Before: torch's SAC cache could not line up with a functional recompute ("not found in storage").
+    The policy is now kept by the composable recompute's own modes (tests/test_save_policies.py)."""
     import torch.utils.checkpoint as tuc
 
     if not hasattr(tuc, "create_selective_checkpoint_contexts"):

@@ -17,6 +17,8 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 ``plan``       :class:`Plan`, the node the Function carries: the first forward, what
                a recompute starts from, the replay of the forward's world
 ``replay``     what is put back for each recompute (RNG, dtype, hooks, eager stance)
+``saving``     a save policy (selective checkpointing): what the first forward keeps,
+               handed back to each recompute instead of run again
 ``function``   ``_Recompute``, the ``autograd.Function``: backward, jvp, vmap rules,
                each again a recompute
 ``levels``     applying that Function level by level, one class made once
@@ -25,7 +27,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 =============  ===================================================================
 
 Dependencies point down that table's layers: ``entry`` → ``call`` → ``function`` →
-``plan`` → ``replay`` → ``shapes`` → ``binding``/``proof``/``basics``; nothing here imports the
+``plan`` → ``replay``/``saving`` → ``shapes`` → ``binding``/``proof``/``basics``; nothing here imports the
 decision (``_decide``, ``_drift``, ``_messages``) except ``entry``, the one door in
 from ``ckpt_guard.checkpoint``.  The design, as ``jax.checkpoint``'s ``ad_checkpoint.py``
 has it for remat:
@@ -99,8 +101,9 @@ Each recompute gives the block a copy of such an input to write into.
 (dropout draws the same mask), each user ``torch.Generator`` the block drew
 from (its state before the first draw, kept by the proof), default dtype,
 ``torch.device(...)`` context, autocast, a user ``context_fn``'s recompute
-context, the global module hooks, the modules' plain numbers, flags and
-strings (NumPy scalars too) as the call found them, and what the block's
+context (a selective checkpointing policy: ``saving``), the global module
+hooks, the modules' plain numbers, flags and strings (NumPy scalars too) as
+the call found them, and what the block's
 closures held (frozen copies: a loop rebinding a closed-over variable is not
 seen).  Checkpoints nested inside the block run plainly (the outer recompute
 already recomputes them).

@@ -7,7 +7,7 @@ for ``benchmarks/proof.py`` alone.
 
 from __future__ import annotations
 
-
+import collections
 
 #: Recomputes of blocks run so far, and derivatives checkpointed in turn (a backward or
 #: tangents that something differentiated again).  The matrix reads them: a recompute
@@ -16,6 +16,13 @@ RECOMPUTES = 0
 NESTED_RECOMPUTES = 0
 #: Calls packed into the recompute (their plain run's activations dropped) so far
 PACKED = 0
+
+#: Save policies (``saving``): operation outputs a policy kept in a first forward, outputs handed
+#: back to a recompute instead of running the operation, and operations a recompute under a
+#: policy ran again (by name): the tests read them ("a saved operation is not run again")
+SAVED_BY_POLICY = 0
+HANDED_BACK = 0
+RECOMPUTED_UNDER_POLICY: "collections.Counter[str]" = collections.Counter()
 
 #: The run-time proof runs on every first forward.  ``benchmarks/proof.py`` switches it off
 #: to measure what it costs; nothing else may (without it a wrong gradient goes unnoticed).

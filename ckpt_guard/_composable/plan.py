@@ -24,6 +24,7 @@ from torch._C._functorch import current_level as _current_level
 from . import proof as _proof
 from . import binding as _rebind
 from . import counters
+from . import saving as _saving
 from .. import _state
 from .basics import (
     SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
@@ -31,7 +32,7 @@ from .basics import (
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
     _NO_CONTEXT, _compiled_code_eager, _contents_to_replay, _forward_rng, _global_hooks, _global_hooks_as,
-    _output_tensors, _plain_nested_checkpoints, _vmap_levels, default_dtype,
+    _forward_mode_alive, _output_tensors, _plain_nested_checkpoints, _vmap_levels, default_dtype,
 )
 
 
@@ -171,6 +172,9 @@ class Plan:
         #: called before every recompute; raises for a drift the recompute cannot undo (an
         #: optimizer step), or returns fallback's replays (a train/eval switch: see ``_drift``)
         self.check_recompute: Callable[[], Any] = lambda: None
+        #: under a save policy (a selective checkpointing ``context_fn``): what it kept of the
+        #: first forward, handed back to each recompute (``saving``); None: everything is recomputed
+        self.saved: Optional[_saving.Saved] = None
 
     # -- running the block on a given set of input tensors
 
@@ -218,7 +222,18 @@ class Plan:
         return roots
 
     def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        """The block as a function of its input tensors to its output tensors (for vjp / jvp)."""
+        """The block as a function of its input tensors to its output tensors (for vjp / jvp).
+
+        Under a save policy, what it saved in the first forward is handed back to the
+        operations that made it, where that can line up (``saving``'s module docstring).
+        """
+        saved = self.saved
+        if (
+            saved is not None and saved.usable and not _forward_mode_alive()
+            and _vmap_levels() <= saved.vmaps
+        ):
+            with saved.handing_back():
+                return tuple(_output_tensors(self.call(tensors)))
         return tuple(_output_tensors(self.call(tensors)))
 
     # -- the first forward: the plain run, then packed into the recompute
@@ -234,12 +249,13 @@ class Plan:
         inputs = self.inputs
         self.capture_forward_state(inputs)
         forward_context = contextlib.nullcontext()
+        policy = None
         if self.context_fn is not None:
             forward_context, self.recompute_context = self.context_fn()
             if isinstance(forward_context, SELECTIVE_CACHING_MODE):
-                # Selective checkpointing caches ops by their order in torch's own recompute;
-                # the vjp here runs other ops, so the cache would not line up ("not found in
-                # storage"). Its policy only chooses what to keep: recomputing all is correct.
+                # Selective checkpointing: torch's two modes line up only with torch's own
+                # recompute; the policy is applied here by ``saving``'s own (its module docstring)
+                policy = _saving.policy_of(forward_context)
                 forward_context, self.recompute_context = contextlib.nullcontext(), _NO_CONTEXT
         if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
             with forward_context, _plain_nested_checkpoints():
@@ -248,6 +264,9 @@ class Plan:
         self.versions = [_version(b) for b in bases]
         self.eager_requires_grad = any(b.requires_grad for b in bases)
         self.vmaps_at_forward = _vmap_levels()
+        if policy is not None and not _forward_mode_alive():  # forward mode's tangents would not line up
+            self.saved = _saving.Saved(policy, self.vmaps_at_forward)
+            forward_context = self.saved.recording()
         given = _state.contents_snapshot(self._given_containers())
         level = _current_level() if _state.peek_interpreter_stack() is not None else -1
         check = _proof.ReadCheck(inputs, level) if counters.PROOF else None

@@ -37,6 +37,9 @@ INFRASTRUCTURE_MODES = frozenset(
         "torch.utils.checkpoint._CachedTorchDispatchMode",
         "torch.utils._device.DeviceContext",
         "ckpt_guard._state.FactoryWatch",  # the guard's own (CKG109)
+        # the composable recompute's save policy (selective checkpointing under torch.func)
+        "ckpt_guard._composable.saving._Recording",
+        "ckpt_guard._composable.saving._HandingBack",
         "torch._export.non_strict_utils._NonStrictTorchFunctionHandler",
         "torch.testing._internal.logging_tensor.LoggingTensorMode",
         # torch's observers: they count or check, never change a value
