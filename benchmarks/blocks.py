@@ -13,7 +13,9 @@ drift cancels), the fastest of ``--repeat`` rounds each:
   checkpointing costs;
 * ``grad`` / ``vmap(grad)``: ``torch.func.grad`` (per-sample: ``vmap(grad)``) of
   ``functional_call`` of the model, blocks called plainly, and through
-  ``ckpt_guard.checkpoint``.
+  ``ckpt_guard.checkpoint``;
+* ``save matmuls`` (torch 2.5+): the same through ``ckpt_guard.checkpoint`` with a
+  save policy keeping the matmuls (``docs/save-policies.md``).
 
 Printed per model: each step's time, the time checkpointing adds per block
 (``ckpt_guard.checkpoint`` under a transform, torch's eager checkpoint
@@ -87,7 +89,7 @@ def steps(torch, model, x):
             g = grad(loss)
         return lambda: g(params, x)
 
-    return {
+    found = {
         "eager": eager(None),
         "eager checkpoint": eager(eager_ckpt),
         "grad": transformed(None, False),
@@ -95,6 +97,24 @@ def steps(torch, model, x):
         "vmap(grad)": transformed(None, True),
         "vmap(grad), ckpt_guard.checkpoint": transformed(ckpt_guard.checkpoint, True),
     }
+    context_fn = save_matmuls_context(torch)
+    if context_fn is not None:  # a save policy (issue 31): matmuls kept, the rest recomputed
+        saving = lambda block, h: ckpt_guard.checkpoint(block, h, context_fn=context_fn)  # noqa: E731
+        found["grad, save matmuls"] = transformed(saving, False)
+        found["vmap(grad), save matmuls"] = transformed(saving, True)
+    return found
+
+
+def save_matmuls_context(torch):
+    """torch's selective checkpointing ``context_fn`` saving matmuls (JAX's dots_saveable), or None before 2.5."""
+    import functools
+
+    import torch.utils.checkpoint as tuc
+
+    if not hasattr(tuc, "create_selective_checkpoint_contexts"):
+        return None
+    aten = torch.ops.aten
+    return functools.partial(tuc.create_selective_checkpoint_contexts, [aten.mm.default, aten.addmm.default])
 
 
 def measure(torch, model, x, repeat, inner):
@@ -165,6 +185,11 @@ def main() -> int:
             print(f"  ckpt_guard.checkpoint under {kind:10} adds {added * 1e6:8.1f} µs per block: "
                   f"{added / eager_added:.2f}x torch's eager checkpoint's (target <= 2); "
                   f"step {best[f'{kind}, ckpt_guard.checkpoint'] / best[kind]:.2f}x the uncheckpointed {kind} step")
+            if f"{kind}, save matmuls" in best:
+                saving = (best[f"{kind}, save matmuls"] - best[kind]) / depth
+                print(f"    with matmuls saved (a save policy) it adds {saving * 1e6:8.1f} µs per block: "
+                      f"{saving / added:.2f}x what recomputing everything adds (target <= 0.5); "
+                      f"step {best[f'{kind}, save matmuls'] / best[kind]:.2f}x")
     return 0
 
 

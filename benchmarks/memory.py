@@ -20,6 +20,8 @@ its peak RSS above the set-up and its time.  Variants:
   trained eagerly with ``loss.backward()``, the physical reference of what
   checkpointing saves (under ``vmap(grad)`` it computes one batch gradient, so
   it lacks the per-sample gradients the others hold).
+* ``save matmuls`` (the MLP workloads, torch 2.5+): ``ckpt_guard.checkpoint`` with a
+  save policy keeping the matmuls (torch's selective checkpointing), the rest recomputed;
 * ``every second block`` (``hvp vjp(grad)``): ``ckpt_guard.checkpoint`` on
   blocks 0, 2, 4, ... only, the others called plainly: the memory-for-time
   trade a user has today;
@@ -89,6 +91,13 @@ def _ckpt_for(variant: str):
         return lambda block, *args: block(*args)
     if variant == "ckpt_guard.checkpoint":
         return ckpt_guard.checkpoint
+    if variant == SAVE_MATMULS:  # a save policy (docs/save-policies.md): the matmuls kept, the rest recomputed
+        import torch
+
+        saving = functools.partial(
+            tuc.create_selective_checkpoint_contexts, [torch.ops.aten.mm.default, torch.ops.aten.addmm.default]
+        )
+        return lambda block, *args: ckpt_guard.checkpoint(block, *args, context_fn=saving)
     return lambda block, *args: tuc.checkpoint(block, *args, use_reentrant=False)  # fallback, eager checkpoint
 
 
@@ -420,12 +429,24 @@ def _gpt2_per_sample(torch, size, variant):
     return lambda: vmap(grad(loss), in_dims=(None, 0))(params, data)
 
 
+#: ckpt_guard.checkpoint with a save policy keeping the matmuls (torch 2.5+: selective checkpointing's API)
+SAVE_MATMULS = "save matmuls"
+
+
+def _selective_checkpointing() -> bool:
+    """Whether the installed torch has ``create_selective_checkpoint_contexts`` (2.5+), without importing it."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("torch").split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 #: name -> (set-up, variants, memory target vs no checkpoint or None)
 ALL = ("no checkpoint", "ckpt_guard.checkpoint", "fallback", "eager checkpoint")
+MLP_VARIANTS = (*ALL, SAVE_MATMULS) if _selective_checkpointing() else ALL
 PAIR = ("no checkpoint", "ckpt_guard.checkpoint")
 WORKLOADS: Dict[str, tuple] = {
-    "mlp grad": (_mlp_grad, ALL, 0.5),
-    "mlp vmap(grad) per-sample": (_mlp_per_sample, ALL, 0.5),
+    "mlp grad": (_mlp_grad, MLP_VARIANTS, 0.5),
+    "mlp vmap(grad) per-sample": (_mlp_per_sample, MLP_VARIANTS, 0.5),
     "cnn vmap(grad) per-sample": (_cnn_per_sample, PAIR, 0.5),
     "ensemble forward": (_ensemble("forward"), PAIR, 1.0),
     "ensemble autograd.grad": (_ensemble("autograd.grad"), PAIR, 1.0),

@@ -38,6 +38,7 @@ def peaks():
     per process; their times, which nothing here checks, suffer)."""
     runs = [(w, v) for w in memory.WORKLOADS if memory._available(w) for v in ("no checkpoint", _checked_variant(w))]
     runs.append(("mlp grad", "fallback"))
+    runs += [(w, memory.SAVE_MATMULS) for w in ("mlp grad", "mlp vmap(grad) per-sample") if memory.SAVE_MATMULS in memory.WORKLOADS[w][1]]
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         results = dict(zip(runs, pool.map(lambda run: memory.measure(*run, "medium"), runs)))
     return results
@@ -57,3 +58,13 @@ def test_fallback_under_grad_keeps_the_memory_saving(peaks):
     """torch's own checkpoint under policy fallback: the composable recompute, as ckpt_guard.checkpoint."""
     base, fallback = peaks[("mlp grad", "no checkpoint")], peaks[("mlp grad", "fallback")]
     assert fallback["peak_mb"] <= 0.6 * base["peak_mb"], (fallback, base)
+
+
+@pytest.mark.parametrize("workload", ["mlp grad", "mlp vmap(grad) per-sample"])
+def test_a_save_policy_keeps_the_peak_below_the_uncheckpointed_one(workload, peaks):
+    """Matmuls saved (a save policy, issue 31): more memory than recomputing everything, less than none."""
+    if memory.SAVE_MATMULS not in memory.WORKLOADS[workload][1]:
+        pytest.skip("torch before 2.5 has no create_selective_checkpoint_contexts")
+    base, saving = peaks[(workload, "no checkpoint")], peaks[(workload, memory.SAVE_MATMULS)]
+    recomputing = peaks[(workload, "ckpt_guard.checkpoint")]
+    assert recomputing["peak_mb"] < saving["peak_mb"] < base["peak_mb"], (recomputing, saving, base)
