@@ -23,7 +23,7 @@ import contextvars
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 POLICIES: tuple[str, ...] = ("off", "warn", "fallback", "strict")
 DEFAULT_POLICY = "strict"
@@ -193,16 +193,8 @@ def from_environment() -> Config:
     """
     if _ENVIRON_KEYS is not None:  # os.environ's own dict: .get() raises and catches a KeyError per unset name
         data = os.environ._data  # type: ignore[attr-defined]
-        raw = (data.get(_ENVIRON_KEYS[0]), data.get(_ENVIRON_KEYS[1]))
-        found = _by_raw_environment.get(raw)
-        if found is not None:
-            return found
-    config = _config_for_environment(os.environ.get(ENV_POLICY, ""), os.environ.get(ENV_RULES, ""))
-    if _ENVIRON_KEYS is not None:
-        if len(_by_raw_environment) >= 8:
-            _by_raw_environment.clear()
-        _by_raw_environment[raw] = config
-    return config
+        return _config_for_environment(data.get(_ENVIRON_KEYS[0]), data.get(_ENVIRON_KEYS[1]))
+    return _config_for_environment(os.environ.get(ENV_POLICY, ""), os.environ.get(ENV_RULES, ""))
 
 
 def _environ_keys() -> "tuple | None":
@@ -215,13 +207,11 @@ def _environ_keys() -> "tuple | None":
 
 
 _ENVIRON_KEYS = _environ_keys()
-#: (the two variables' raw values) -> their configuration (a bad value is never stored: it raises)
-_by_raw_environment: dict = {}
 
 
-@functools.lru_cache(maxsize=8)
-def _config_for_environment(policy: str, rules: str) -> Config:
-    del policy, rules  # the cache's key: build_config reads the same two variables
+@functools.lru_cache(maxsize=8)  # a bad value is never cached: it raises at every call
+def _config_for_environment(policy: Any, rules: Any) -> Config:
+    del policy, rules  # the cache's key (the two variables, raw or decoded): build_config reads them itself
     return build_config(None, None, read_env=True)
 
 

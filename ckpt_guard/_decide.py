@@ -441,13 +441,9 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
 # but a train/eval switch or an optimizer step changes what it computes.
 _COMPOSABLE_DRIFT = frozenset({"module_training", "optimizer_steps"})
 
-
-_COMPOSABLE_DRIFT_INDICES = frozenset(i for i, rule in enumerate(DRIFT_RULES) if rule.read in _COMPOSABLE_DRIFT)
-
-
+# their places in a capture, read directly before each recompute
 _TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
 _STEPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "optimizer_steps")
-assert _COMPOSABLE_DRIFT_INDICES == {_TRAINING_INDEX, _STEPS_INDEX}
 _module_training, _optimizer_steps = _state.module_training, _state.optimizer_steps
 
 

@@ -61,6 +61,13 @@ def _reach(t: Tensor) -> Tuple[bool, bool]:
 _is_wrapped, _unwrapped = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
 
 
+#: a functorch interpreter's ``key().value`` for each transform (comparing ints: ``key().name``
+#: builds a string per call), read in the levels, the rules and the plan
+GRAD_KEY = int(torch._C._functorch.TransformType.Grad)
+JVP_KEY = int(torch._C._functorch.TransformType.Jvp)
+VMAP_KEY = int(torch._C._functorch.TransformType.Vmap)
+
+
 #: a vmap interpreter's randomness, as torch.func spells it (``VmapInterpreter.randomness()``)
 RANDOMNESS_NAMES = {
     torch._C._functorch.RandomnessType.Error: "error", torch._C._functorch.RandomnessType.Same: "same",

@@ -19,10 +19,10 @@ PACKED = 0
 
 #: Save policies (``saving``): operation outputs a policy kept in a first forward, outputs handed
 #: back to a recompute instead of running the operation, and operations a recompute under a
-#: policy ran again (by name): the tests read them ("a saved operation is not run again")
+#: policy ran again (by operation): the tests read them ("a saved operation is not run again")
 SAVED_BY_POLICY = 0
 HANDED_BACK = 0
-RECOMPUTED_UNDER_POLICY: "collections.Counter[str]" = collections.Counter()
+RECOMPUTED_UNDER_POLICY: "collections.Counter[object]" = collections.Counter()
 
 #: The run-time proof runs on every first forward.  ``benchmarks/proof.py`` switches it off
 #: to measure what it costs; nothing else may (without it a wrong gradient goes unnoticed).

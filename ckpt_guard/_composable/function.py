@@ -27,7 +27,7 @@ from torch._functorch.eager_transforms import grad_increment_nesting as _grad_in
 from . import levels as _levels
 from . import counters
 from .. import _state
-from .basics import Tensor, _base, _differentiable_dtype
+from .basics import GRAD_KEY, VMAP_KEY, Tensor, _base, _differentiable_dtype
 from .plan import Plan
 from .replay import _forward_mode_alive, _vmap_level_of_rule
 
@@ -232,8 +232,6 @@ def _unexpanded(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------
 # will anything differentiate this backward (or these tangents) again?
 
-_GRAD = "Grad"
-_GRAD_KEY, _VMAP_KEY = int(torch._C._functorch.TransformType.Grad), int(torch._C._functorch.TransformType.Vmap)
 
 
 def _own_level(tensors: Sequence[Tensor]) -> Optional[int]:
@@ -264,7 +262,7 @@ def _differentiated_again(
         own = _own_level(saved)
     eager_grad_mode = None
     for interpreter in _get_interpreter_stack() or ():  # C interpreters: cheap to read
-        if interpreter.key().value == _GRAD_KEY:
+        if interpreter.key().value == GRAD_KEY:
             if interpreter.level() != own:
                 return True
             if eager_grad_mode is None:
@@ -278,12 +276,6 @@ def _differentiated_again(
     return saved_require_grad or any(t is not None and _base(t).requires_grad for t in incoming)
 
 
-def _batched_at(t: Tensor, level: int) -> bool:
-    while _state.is_functorch_wrapped_tensor(t):
-        if is_batchedtensor(t) and maybe_get_level(t) == level:
-            return True
-        t = _state.get_unwrapped(t)
-    return False
 
 
 def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
@@ -295,7 +287,7 @@ def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
     none: a context that does nothing, without a generator.)
     """
     top = _state.peek_interpreter_stack()
-    if top is None or top.key().value != _VMAP_KEY or any(_batched_at(p, top.level()) for p in primals):
+    if top is None or top.key().value != VMAP_KEY or any(_levels._batched_at(p, top.level()) for p in primals):
         return _NO_CONTEXT
     return _vmaps_set_aside(primals)
 
@@ -305,7 +297,7 @@ def _vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
     with contextlib.ExitStack() as stack:
         while _state.peek_interpreter_stack() is not None:
             top = pyfunctorch.retrieve_current_functorch_interpreter()
-            if top.key().value != _VMAP_KEY or any(_batched_at(p, top.level()) for p in primals):
+            if top.key().value != VMAP_KEY or any(_levels._batched_at(p, top.level()) for p in primals):
                 break
             stack.enter_context(pyfunctorch.temporarily_pop_interpreter_stack())
         yield

@@ -54,7 +54,7 @@ from torch._functorch.autograd_function import custom_function_call
 from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch.autograd.function import _SingleLevelFunction
 
-from .basics import RANDOMNESS_NAMES
+from .basics import GRAD_KEY as _GRAD, JVP_KEY as _JVP, RANDOMNESS_NAMES, VMAP_KEY as _VMAP
 
 Tensor = torch.Tensor
 
@@ -65,14 +65,8 @@ _pop_dynamic_layer_stack, _push_dynamic_layer_stack = (
 _is_fwd_grad_enabled, _set_fwd_grad = torch._C._is_fwd_grad_enabled, torch._C._set_fwd_grad_enabled
 _single_level_allowed = _functorch_c.get_single_level_autograd_function_allowed
 _allow_single_level = _functorch_c.set_single_level_autograd_function_allowed
-_GRAD, _JVP = int(_functorch_c.TransformType.Grad), int(_functorch_c.TransformType.Jvp)
-
 #: the levels :func:`apply` applies itself, and how each lifts an operand (torch's ``process``)
-_LIFTS = {
-    int(_functorch_c.TransformType.Grad): _functorch_c.CGradInterpreterPtr,
-    int(_functorch_c.TransformType.Jvp): _functorch_c.CJvpInterpreterPtr,
-}
-_VMAP = int(_functorch_c.TransformType.Vmap)
+_LIFTS = {_GRAD: _functorch_c.CGradInterpreterPtr, _JVP: _functorch_c.CJvpInterpreterPtr}
 
 #: the Function class :func:`apply` serves (set by ``_composable``, which defines it)
 FUNCTION: Any = None

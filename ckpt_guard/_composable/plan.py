@@ -27,7 +27,7 @@ from . import counters
 from . import saving as _saving
 from .. import _state
 from .basics import (
-    SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
+    JVP_KEY, SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
 )
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
@@ -228,13 +228,12 @@ class Plan:
         operations that made it, where that can line up (``saving``'s module docstring).
         """
         saved = self.saved
-        if (
+        handing_back = (  # not under forward mode, nor under a vmap the forward did not run under
             saved is not None and saved.usable and not _forward_mode_alive()
-            and _vmap_levels() <= saved.vmaps
-        ):
-            with saved.handing_back():
-                return tuple(_output_tensors(self.call(tensors)))
-        return tuple(_output_tensors(self.call(tensors)))
+            and _vmap_levels() <= self.vmaps_at_forward
+        )
+        with saved.handing_back() if handing_back else _NO_CONTEXT:
+            return tuple(_output_tensors(self.call(tensors)))
 
     # -- the first forward: the plain run, then packed into the recompute
 
@@ -255,7 +254,7 @@ class Plan:
             if isinstance(forward_context, SELECTIVE_CACHING_MODE):
                 # Selective checkpointing: torch's two modes line up only with torch's own
                 # recompute; the policy is applied here by ``saving``'s own (its module docstring)
-                policy = _saving.policy_of(forward_context)
+                policy = forward_context.policy_fn
                 forward_context, self.recompute_context = contextlib.nullcontext(), _NO_CONTEXT
         if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
             with forward_context, _plain_nested_checkpoints():
@@ -265,7 +264,7 @@ class Plan:
         self.eager_requires_grad = any(b.requires_grad for b in bases)
         self.vmaps_at_forward = _vmap_levels()
         if policy is not None and not _forward_mode_alive():  # forward mode's tangents would not line up
-            self.saved = _saving.Saved(policy, self.vmaps_at_forward)
+            self.saved = _saving.Saved(policy)
             forward_context = self.saved.recording()
         given = _state.contents_snapshot(self._given_containers())
         level = _current_level() if _state.peek_interpreter_stack() is not None else -1
@@ -311,7 +310,7 @@ class Plan:
         the Function's jvp rule of that level to hand on (see :meth:`take_tangents`)."""
         self.tangents = None
         top = _state.peek_interpreter_stack()
-        if top is None or top.key().value != _JVP:
+        if top is None or top.key().value != JVP_KEY:
             return
         level = top.level()
         tangents = []
@@ -500,7 +499,6 @@ class Plan:
 
 
 _any_autocast = torch._C._is_any_autocast_enabled
-_JVP = int(torch._C._functorch.TransformType.Jvp)
 
 
 class _Replay:

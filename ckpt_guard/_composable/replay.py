@@ -17,11 +17,11 @@ import torch
 import torch.utils.checkpoint as _tuc
 from torch._C._functorch import current_level as _current_level
 from torch._C._functorch import CVmapInterpreterPtr as _CVmapInterpreterPtr
-from torch._C._functorch import TransformType as _TransformType, get_interpreter_stack as _get_interpreter_stack
+from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 
 from . import binding as _rebind
 from .. import _config, _state
-from .basics import RANDOMNESS_NAMES, Tensor
+from .basics import RANDOMNESS_NAMES, VMAP_KEY, Tensor
 from .refusals import Reason
 
 
@@ -54,8 +54,7 @@ class _ForwardRng:
             device_module.set_rng_state(state, device)
 
 
-def _forward_rng(cpu_state: Tensor, devices: list, states: list, device_type: str) -> _ForwardRng:
-    return _ForwardRng(cpu_state, devices, states, device_type)
+_forward_rng = _ForwardRng
 
 
 def _contents_to_replay(given: tuple) -> Tuple[List[tuple], Optional[str]]:
@@ -145,7 +144,6 @@ def _vmap_level_of_rule() -> int:
     return (_current_level() if _state.peek_interpreter_stack() is not None else 0) + 1
 
 
-_VMAP = _TransformType.Vmap
 
 
 def _vmap_levels() -> frozenset:
@@ -155,7 +153,7 @@ def _vmap_levels() -> frozenset:
         return frozenset()
     found = []
     for interpreter in stack:
-        if interpreter.key() == _VMAP:
+        if interpreter.key().value == VMAP_KEY:
             vmap = _CVmapInterpreterPtr(interpreter)
             found.append((interpreter.level(), vmap.batchSize(), RANDOMNESS_NAMES[vmap.randomness()]))
     return frozenset(found)
@@ -193,8 +191,7 @@ class _PlainNestedCheckpoints:
         _pop_scope(self.token)
 
 
-def _plain_nested_checkpoints() -> _PlainNestedCheckpoints:
-    return _PlainNestedCheckpoints()
+_plain_nested_checkpoints = _PlainNestedCheckpoints
 
 
 _push_scope, _pop_scope, _PLAIN = _config.push_scope, _config.pop_scope, _config.PLAIN

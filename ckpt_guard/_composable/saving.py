@@ -59,7 +59,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import counters
-from .basics import SELECTIVE_CACHING_MODE
 
 Tensor = torch.Tensor
 
@@ -81,13 +80,6 @@ _IGNORED = frozenset(
 )
 _NONDETERMINISTIC = torch.Tag.nondeterministic_seeded
 _INPLACE_VIEW = torch.Tag.inplace_view
-
-
-def policy_of(forward_context: Any) -> Optional[Callable[..., Any]]:
-    """The policy of a selective checkpointing forward context (``context_fn()[0]``), or None."""
-    if SELECTIVE_CACHING_MODE and isinstance(forward_context, SELECTIVE_CACHING_MODE):
-        return getattr(forward_context, "policy_fn", None)
-    return None
 
 
 _keepable_cache: Dict[Any, bool] = {}
@@ -168,17 +160,15 @@ class PolicyError(TypeError):
 class Saved:
     """What a save policy kept of one block's first forward (see the module docstring)."""
 
-    __slots__ = ("policy", "calls", "usable", "vmaps", "by_storage")
+    __slots__ = ("policy", "calls", "usable", "by_storage")
 
-    def __init__(self, policy: Callable[..., Any], vmaps: frozenset) -> None:
+    def __init__(self, policy: Callable[..., Any]) -> None:
         self.policy = policy
         #: operation -> for each of its calls in the forward, in order: None (recomputed) or
-        #: (what it was given, its outputs, their versions)
+        #: (what it was given, its outputs, its output tensors, their versions)
         self.calls: Dict[Any, List[Optional[tuple]]] = collections.defaultdict(list)
         #: False once a recompute found the block running other operations: all is recomputed then
         self.usable = True
-        #: the vmap levels the forward ran under (a recompute under another does not hand back)
-        self.vmaps = vmaps
         #: storage address -> (operation, call index) of the saved outputs living there
         self.by_storage: Dict[int, List[tuple]] = collections.defaultdict(list)
 
@@ -189,7 +179,7 @@ class Saved:
         index = len(self.calls[func])
         for t in outputs:
             self.by_storage[_address(t)].append((func, index))
-        return (_signature(args, kwargs), out, [t._version for t in outputs])
+        return (_signature(args, kwargs), out, outputs, [t._version for t in outputs])
 
     def spoil_written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An operation that writes into its arguments: a saved output it writes into is no longer
@@ -279,12 +269,12 @@ class _HandingBack(TorchDispatchMode):
             return self._not_lined_up(func, args, kwargs)
         entry = calls[index]
         if entry is None:
-            counters.RECOMPUTED_UNDER_POLICY[str(func)] += 1
+            counters.RECOMPUTED_UNDER_POLICY[func] += 1
             return func(*args, **kwargs)
-        given, kept, versions = entry
+        given, kept, outputs, versions = entry
         if _signature(args, kwargs) != given:
             return self._not_lined_up(func, args, kwargs)
-        if [t._version for t in tree_flatten(kept)[0] if isinstance(t, Tensor)] != versions:
+        if [t._version for t in outputs] != versions:
             # written into since (after the block, through the tensor it returned): computed again
             calls[index] = None
             return func(*args, **kwargs)
