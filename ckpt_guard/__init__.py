@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Option
 from ._exceptions import CheckpointCompositionError, CheckpointCompositionWarning
 
 if TYPE_CHECKING:  # pragma: no cover
+    from . import checkpoint_policies
+    from ._composable.saving import PolicyError
     from ._events import Event
     from ._rules import Rule
 
@@ -31,8 +33,11 @@ __all__ = [
     "CheckpointCompositionError",
     "CheckpointCompositionWarning",
     "Event",
+    "PolicyError",
     "Rule",
     "checkpoint",
+    "checkpoint_name",
+    "checkpoint_policies",
     "current_config",
     "install",
     "is_installed",
@@ -40,6 +45,7 @@ __all__ = [
     "record",
     "replayable_mode",
     "rules",
+    "saved_residuals",
     "uninstall",
 ]
 
@@ -161,6 +167,40 @@ def checkpoint(
     return _entry.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
 
 
+def checkpoint_name(value: Any, name: str) -> Any:
+    """Name a value inside a checkpointed block, for a policy that saves it by name; returns ``value``.
+
+    JAX's ``checkpoint_name``: with ``context_fn=checkpoint_policies.context_fn(
+    checkpoint_policies.save_only_these_names("attn_out"))`` the output of the
+    operation that made ``value`` is kept by the forward instead of being
+    recomputed (under torch.func transforms too).  Outside a checkpointed
+    block's first forward it does nothing (under ``torch.compile`` too: torch's own
+    checkpoint runs there, and a name is for ckpt_guard's recompute).
+    """
+    import torch
+
+    if torch.compiler.is_compiling():
+        return value
+    from ._composable.saving import checkpoint_name as _name
+
+    return _name(value, name)
+
+
+def saved_residuals(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``function(*args, **kwargs)`` once; print what each checkpointed block saved and recomputed.
+
+    JAX's ``print_saved_residuals``, measured: per ``ckpt_guard.checkpoint``
+    block call (under torch.func, or with a naming policy), the values its save
+    policy kept (operation, shape, dtype, bytes, the line of your code), what
+    each name did, and per recompute (one per order that differentiates it)
+    what was handed back and what ran again.  Returns the report (its
+    ``.blocks``, ``.saved_bytes`` and ``.result``, what ``function`` returned).
+    """
+    from ._composable.residuals import saved_residuals as _report
+
+    return _report(function, *args, **kwargs)
+
+
 def replayable_mode(cls: type) -> type:
     """Mark a ``TorchDispatchMode`` / ``TorchFunctionMode`` class as safe for fallback to re-enter in a recompute.
 
@@ -203,7 +243,7 @@ def current_config() -> str:
 
 
 def __getattr__(name: str) -> Any:
-    """``ckpt_guard.Event`` and ``ckpt_guard.Rule``, imported on first use."""
+    """``ckpt_guard.Event``, ``Rule``, ``PolicyError`` and ``checkpoint_policies``, imported on first use."""
     if name == "Event":
         from ._events import Event
 
@@ -212,6 +252,14 @@ def __getattr__(name: str) -> Any:
         from ._rules import Rule
 
         return Rule
+    if name == "PolicyError":
+        from ._composable.saving import PolicyError
+
+        return PolicyError
+    if name == "checkpoint_policies":  # a submodule: imported, not "from . import"ed (that asks here again)
+        import importlib
+
+        return importlib.import_module(f"{__name__}.checkpoint_policies")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

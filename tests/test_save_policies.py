@@ -191,12 +191,93 @@ def test_reverse_over_reverse_hands_back_at_every_order(step):
 
 
 @pytest.mark.parametrize("step", ["jvp(grad)", "hessian"])
-def test_under_forward_mode_everything_is_recomputed_and_right(step):
-    """Forward mode's tangents reach the same dispatch mode as the primal ops: nothing is handed back."""
+def test_under_forward_mode_no_saved_matmul_runs_again(step):
+    """Forward over reverse (jvp(grad), hessian = jacfwd(jacrev)): the tangents' matmuls are saved and
+    handed back too, matched by their arguments' fingerprints: exactly the reference's matmul FLOPs."""
     before = counters.HANDED_BACK
-    (reference, _), _, (saved, _) = _three_runs(step, _ckpt(SAVE_MATMULS))
+    (reference, plain_flops), (no_policy, recompute_flops), (saved, saved_flops) = _three_runs(
+        step, _ckpt(SAVE_MATMULS)
+    )
+    _assert_equal(no_policy, reference)
     _assert_equal(saved, reference)
-    assert counters.HANDED_BACK == before
+    assert counters.HANDED_BACK > before
+    assert recompute_flops > plain_flops
+    assert saved_flops == plain_flops, f"a saved matmul ran again: {saved_flops} FLOPs against {plain_flops}"
+
+
+@pytest.mark.parametrize("step", ["jvp(grad)", "hessian"])
+def test_under_forward_mode_a_saved_output_written_in_place_is_computed_again(step):
+    (reference, _), _, (saved, _) = _three_runs(step, _ckpt(SAVE_MATMULS), in_place=True)
+    _assert_equal(saved, reference)
+
+
+def test_a_tangent_matmul_is_never_handed_to_a_primal_one():
+    """Forward under jvp (primal and tangent matmuls, same shapes and strides, interleaved), backward of
+    the primal output only (no forward mode: primal matmuls alone).  Matched by call count, the second
+    primal matmul would get the first one's tangent product (measured: wrong gradients); the
+    fingerprint check sees other arguments and computes it."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 6, dtype=DTYPE, requires_grad=True)
+    b = torch.randn(6, 6, dtype=DTYPE, requires_grad=True)
+    x, v = torch.randn(4, 6, dtype=DTYPE), torch.randn(4, 6, dtype=DTYPE)
+    da, db = torch.randn(6, 6, dtype=DTYPE), torch.randn(6, 6, dtype=DTYPE)
+
+    def block(h, a, b):
+        return torch.tanh(torch.tanh(h @ a) @ b)
+
+    results = []
+    for ckpt in (lambda f, *t: f(*t), lambda f, *t: ckpt_guard.checkpoint(f, *t, context_fn=SAVE_MATMULS)):
+        a.grad = b.grad = None
+        out, _ = jvp(lambda h, a_, b_: ckpt(block, h, a_, b_), (x, a, b), (v, da, db))
+        out.pow(2).sum().backward()
+        results.append((a.grad.clone(), b.grad.clone()))
+    _assert_equal(results[1], results[0])
+
+
+def _eager_after_vmap(model, how):
+    """functorch's MAML (inner grad step per task under vmap, outer .backward()) or vmap then .backward()."""
+    params = dict(model.named_parameters())
+    xs = torch.randn(3, 4, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(2))
+
+    def task(x):
+        if how == "vmap, then .backward()":
+            return _loss(model)(params, x)
+        inner = grad(_loss(model))(params, x)
+        return _loss(model)({k: params[k] - 0.1 * inner[k] for k in params}, x)
+
+    model.zero_grad()
+    vmap(task)(xs).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["MAML", "vmap, then .backward()"])
+def test_a_backward_outside_the_forwards_vmap_runs_no_saved_matmul_again(how):
+    """The recompute there is batched by the Function's own vmap rule: matched by fingerprints."""
+    torch.manual_seed(0)
+    model = Model().to(DTYPE)
+    runs = []
+    for ckpt in (None, _ckpt()):
+        model.ckpt = ckpt
+        runs.append(_matmul_flops(lambda: _eager_after_vmap(model, how)))
+    before_handed, before_ran = counters.HANDED_BACK, dict(counters.RECOMPUTED_UNDER_POLICY)
+    model.ckpt = _ckpt(SAVE_MATMULS)
+    report = ckpt_guard.saved_residuals(_matmul_flops, lambda: _eager_after_vmap(model, how))
+    runs.append(report.result)
+    (reference, plain_flops), (no_policy, recompute_flops), (saved, saved_flops) = runs
+    _assert_equal(no_policy, reference)
+    _assert_equal(saved, reference)
+    assert counters.HANDED_BACK > before_handed
+    # every recompute of every block (the eager backward's, batched by the vmap rule, among them)
+    # was handed back every value its block's forward saved
+    recomputes = [(len(block.values), r) for block in report.blocks for r in block.recomputes]
+    assert any("vmap" in r.levels and "grad" in r.levels.split(">")[0] for _, r in recomputes)
+    for n, r in recomputes:
+        assert sum(r.handed_back.values()) == n and not r.note, (r.levels, r.handed_back, r.note)
+    ran = {op: n - before_ran.get(op, 0) for op, n in counters.RECOMPUTED_UNDER_POLICY.items()}
+    assert not any(ran.get(op) for op in MATMULS), ran
+    assert saved_flops < recompute_flops
+    if how != "MAML":  # MAML's outer step recomputes the inner backward's own matmuls (reverse over reverse)
+        assert saved_flops == plain_flops
 
 
 @pytest.mark.parametrize("step", ["grad", "vmap(grad)", "vjp(grad)"])

@@ -24,6 +24,7 @@ from .._exceptions import CheckpointCompositionError
 from .._messages import _warn, build_message, describe_site, describe_variant, user_frame
 from .._rules import DRIFT_RULES
 from .._rules import Rule
+from ..checkpoint_policies import names_policy_of
 from .._state import block_reads as _reads
 
 
@@ -246,6 +247,16 @@ def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: 
     return _torch_checkpoint.checkpoint(block, *args, **options, **kwargs)
 
 
+def _names_not_kept(names: Any, reason: Any, instead: str) -> None:
+    """A naming policy outside torch.func whose block ckpt_guard's recompute cannot take: said, once per site."""
+    import warnings
+
+    warnings.warn(
+        f"ckpt_guard.checkpoint with {names!r}: ckpt_guard's recompute cannot take this block ({reason}); "
+        f"{instead}, and nothing is saved by name", UserWarning, stacklevel=4,
+    )
+
+
 def public_checkpoint(
     function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool,
 ) -> Any:
@@ -273,10 +284,14 @@ def public_checkpoint(
     eager = _peek_interpreter_stack() is None and _forward_ad._current_level < 0
     # a swap: seen by the guard's functional_call tracking when installed (any swap active on this
     # thread: the block may reach a swapped module any way), else by its traces
-    if eager and not (_state.swaps_active_here() or _swapped_parameters(function, args)):
+    swapped = eager and (_state.swaps_active_here() or _swapped_parameters(function, args))
+    # a naming policy: torch's selective checkpointing cannot see checkpoint_name, this recompute can
+    names = names_policy_of(context_fn) if context_fn is not None else None
+    if eager and not swapped and names is None:
         if scoped is None and not _config._installed.active:  # no patch point guards torch's call here
             return _checked_without_install(function, args, kwargs, options, preserve_rng_state)
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
+    named_eager = eager and not swapped  # (names is not None)
     installed = _config._installed  # install("off") is a policy in force, not the absence of one
     config = scoped or (installed if installed.active or installed.source != "default" else None)
     if config is None:
@@ -293,12 +308,17 @@ def public_checkpoint(
             if refused.ran:
                 # the block ran once, plainly, as the caller wrote it: that is the result (strict
                 # raises the rule's explanation; warn and fallback say so and keep it)
-                if eager:
+                if named_eager:
+                    _names_not_kept(names, refused.reason, "it ran without checkpointing (its result is right)")
+                elif eager:
                     _refused_under_swap(function, config, refused.reason)
                 else:
                     decide_call(False, function, args, config, refused=refused.reason, ran=True)
                 return refused.output
             built = refused.reason
+    if named_eager:
+        _names_not_kept(names, built, "torch's checkpoint runs it, which cannot see the names")
+        return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     if eager:
         if _state.swaps_active_here():  # torch's checkpoint, guarded as any call: the guard sees this swap
             return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)

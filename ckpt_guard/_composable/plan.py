@@ -24,6 +24,7 @@ from torch._C._functorch import current_level as _current_level
 from . import proof as _proof
 from . import binding as _rebind
 from . import counters
+from . import residuals as _residuals
 from . import saving as _saving
 from .. import _state
 from .basics import (
@@ -34,6 +35,13 @@ from .replay import (
     _NO_CONTEXT, _compiled_code_eager, _contents_to_replay, _forward_rng, _global_hooks, _global_hooks_as,
     _forward_mode_alive, _output_tensors, _plain_nested_checkpoints, _vmap_levels, default_dtype,
 )
+
+
+def _label(function: Any) -> str:
+    """How saved_residuals names a block: ``Block.forward``, ``MLP`` (a module), ``layer``."""
+    if isinstance(function, torch.nn.Module):
+        return f"{type(function).__qualname__} (a module)"
+    return getattr(function, "__qualname__", None) or type(function).__qualname__
 
 
 class Plan:
@@ -228,11 +236,14 @@ class Plan:
         operations that made it, where that can line up (``saving``'s module docstring).
         """
         saved = self.saved
-        handing_back = (  # not under forward mode, nor under a vmap the forward did not run under
-            saved is not None and saved.usable and not _forward_mode_alive()
-            and _vmap_levels() <= self.vmaps_at_forward
-        )
-        with saved.handing_back() if handing_back else _NO_CONTEXT:
+        if saved is None:
+            return tuple(_output_tensors(self.call(tensors)))
+        why = _saving.why_not_handed_back(saved, self.vmaps_at_forward)
+        if why is not None:
+            if saved.report is not None:
+                saved.report.recompute(why)
+            return tuple(_output_tensors(self.call(tensors)))
+        with saved.handing_back():
             return tuple(_output_tensors(self.call(tensors)))
 
     # -- the first forward: the plain run, then packed into the recompute
@@ -263,8 +274,16 @@ class Plan:
         self.versions = [_version(b) for b in bases]
         self.eager_requires_grad = any(b.requires_grad for b in bases)
         self.vmaps_at_forward = _vmap_levels()
-        if policy is not None and not _forward_mode_alive():  # forward mode's tangents would not line up
-            self.saved = _saving.Saved(policy)
+        if policy is None and _residuals.is_open():  # saved_residuals lists this block's recomputes too
+            policy = _saving.nothing_saved
+        if policy is not None:
+            # under forward mode, tangent operations reach the recording too: each saved call keeps
+            # its arguments' fingerprint, and only matching calls are handed back (``saving``)
+            # so does a forward under vmap that eager autograd may differentiate outside it (MAML's
+            # outer .backward()): that recompute is batched by the Function's own vmap rule
+            fingerprinted = _forward_mode_alive() or bool(self.vmaps_at_forward and self.eager_requires_grad)
+            self.saved = _saving.Saved(policy, fingerprinted=fingerprinted)
+            self.saved.report = _residuals.block_entry(_label(self.original_function), _saving.describe(policy))
             forward_context = self.saved.recording()
         given = _state.contents_snapshot(self._given_containers())
         level = _current_level() if _state.peek_interpreter_stack() is not None else -1

@@ -30,35 +30,64 @@ recompute replays the forward's RNG from the block's start: skipping a draw
 would move every later draw), and the operations torch's own selective
 checkpointing ignores (``detach``, metadata queries).
 
+Under forward mode (``jvp(grad)``, ``hessian``'s ``jacfwd``) forward-mode AD
+computes tangents with operations that reach the same dispatch mode as the
+primal ones (measured: ``jvp`` of ``tanh(x @ W)`` sends three ``mm`` down where
+the primal sends one), and a tangent's ``mm`` has the primal's shapes.  So
+where a forward-mode level is alive at the first forward, each saved call
+also keeps a **fingerprint** of what it was given: two float64 numbers per
+tensor (its sum, and its position-weighted sum); a recompute's call gets the
+saved outputs only if its arguments have the same fingerprint.  An operation
+is a function of its arguments (random ones are never kept), so equal
+arguments mean the saved outputs are its outputs, whichever primal or tangent
+call this is; where they differ, nothing more is handed back.
+
+A backward outside the forward's vmap (MAML's outer ``.backward()``) recomputes
+under the Function's own vmap rule, which batches the block anew: a forward
+under vmap whose inputs require grad in eager autograd keeps fingerprints too,
+and that recompute is handed back what matches them.
+
 Where the two cannot line up, nothing is handed back:
 
-* a ``jvp`` level alive (``jvp(grad)``, ``hessian``'s ``jacfwd``): forward-mode
-  AD computes tangents with operations that reach the same dispatch mode as
-  the primal ones (measured: ``jvp`` of ``tanh(x @ W)`` sends three ``mm`` down
-  where the primal sends one), so a store keyed by call count would hand a
-  tangent the primal's output; the policy is not applied and every operation
-  is recomputed, as before;
-* a recompute under a vmap level the forward did not run under (the
-  Function's own vmap rule, which batches the recompute differently);
+* a recompute under forward mode or under a vmap level the forward did not run
+  under, of a block whose forward kept no fingerprints;
 * an operation whose call does not match what the forward recorded (the block
   took another path): from there on, the rest of that run and every later
   recompute of the block compute everything.
 
 Each of those still returns the uncheckpointed code's numbers: only memory
 or time is lost.
+
+**Names** (``ckpt_guard.checkpoint_name(t, "attn_out")`` and
+``checkpoint_policies.save_only_these_names``, JAX's ``checkpoint_name``): a
+name is given after the operation that made the value ran, so the recording
+remembers, for each keepable call, where its output lives; naming a value
+marks the call that made the memory it lives in as saved (a view of an
+operation's output saves that operation's output).  Until the block's forward
+ends, the recording holds each keepable call's arguments for that (a named
+call is kept with what it was given); a name the policy lists that the block
+never gives warns, naming it.
+
+**Offloading** (``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD``):
+the saved outputs of a call on an accelerator are kept as CPU copies and moved
+back to their device when handed back; on the CPU it is saving.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
+import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.utils.checkpoint as _tuc
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from . import counters
+from . import counters, residuals
+from .replay import _forward_mode_alive, _vmap_levels
 
 Tensor = torch.Tensor
 
@@ -153,6 +182,45 @@ def _arguments_of(func: Any, args: tuple, kwargs: dict) -> list:
     return values
 
 
+def _fingerprint(args: tuple, kwargs: dict) -> tuple:
+    """Two float64 numbers per tensor argument: its sum and its position-weighted sum (the
+    forward-mode check, see the module docstring); computed below every transform level, unseen by
+    the dispatch modes below this one (a FLOP counter, a user's mode)."""
+    prints = []
+    with _disable_current_modes(), torch._C._DisableFuncTorch(), torch.no_grad():
+        for value in (*args, *kwargs.values()):
+            for t in (value if isinstance(value, (list, tuple)) else (value,)):
+                if not isinstance(t, Tensor):
+                    continue
+                if t._is_zerotensor() or t.device.type == "meta":  # forward mode's zero tangents: no data
+                    prints.append(t.device.type == "meta" or "zero")
+                    continue
+                flat = t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)
+                prints.append(torch.stack((flat.sum(), flat.cumsum(0).sum())) if flat.numel() else flat)
+    return tuple(prints)
+
+
+def _same_prints(given: tuple, kept: tuple) -> bool:
+    with _disable_current_modes():
+        return len(given) == len(kept) and all(
+            type(a) is type(b) and (torch.equal(a, b) if isinstance(a, Tensor) else a == b)
+            for a, b in zip(given, kept)
+        )
+
+
+def _bottom(t: Tensor) -> Tensor:
+    """The tensor a torch.func wrapper (grad, vmap, jvp levels) holds at the bottom of the dispatcher."""
+    while _is_wrapped(t):
+        t = _unwrapped(t)
+    return t
+
+
+_is_wrapped, _unwrapped = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
+
+#: what a policy decided for one call (asked in the forward only, as torch asks)
+RECOMPUTE, SAVE, OFFLOAD = 0, 1, 2
+
+
 class PolicyError(TypeError):
     """A save policy returned something that is not a ``CheckpointPolicy`` (nor a bool)."""
 
@@ -160,26 +228,47 @@ class PolicyError(TypeError):
 class Saved:
     """What a save policy kept of one block's first forward (see the module docstring)."""
 
-    __slots__ = ("policy", "calls", "usable", "by_storage")
+    __slots__ = (
+        "policy", "calls", "usable", "by_storage", "fingerprinted", "names", "made", "named", "report",
+    )
 
-    def __init__(self, policy: Callable[..., Any]) -> None:
+    def __init__(self, policy: Callable[..., Any], fingerprinted: bool = False) -> None:
         self.policy = policy
         #: operation -> for each of its calls in the forward, in order: None (recomputed) or
-        #: (what it was given, its outputs, its output tensors, their versions)
+        #: (what it was given, its outputs, its output tensors, their versions, fingerprint, device)
         self.calls: Dict[Any, List[Optional[tuple]]] = collections.defaultdict(list)
         #: False once a recompute found the block running other operations: all is recomputed then
         self.usable = True
         #: storage address -> (operation, call index) of the saved outputs living there
         self.by_storage: Dict[int, List[tuple]] = collections.defaultdict(list)
+        #: a forward-mode level was alive in the first forward: each saved call keeps its arguments'
+        #: fingerprint, and a recompute under forward mode is handed back only what matches it
+        self.fingerprinted = fingerprinted
+        #: a naming policy's names (``save_only_these_names``), else None
+        self.names: Optional[frozenset] = getattr(policy, "saved_names", None)
+        #: names only: storage address -> (operation, call index, its output, given, fingerprint)
+        #: for each keepable call of the forward, the latest to make that memory (a weak reference)
+        self.made: Dict[int, tuple] = {}
+        #: the names checkpoint_name gave in the forward
+        self.named: set = set()
+        #: ``ckpt_guard.saved_residuals`` collecting: this block's entry of the report (set by the plan)
+        self.report: Any = None
 
-    def keep(self, func: Any, args: tuple, kwargs: dict, out: Any) -> tuple:
+    def keep(self, func: Any, index: int, args: tuple, kwargs: dict, out: Any, offload: bool = False) -> tuple:
         """The entry for a saved call: what it was given, its outputs (the objects the operation made:
-        their version counters move when anything writes into them) and their versions."""
+        their version counters move when anything writes into them) and their versions; offloaded
+        outputs on an accelerator are kept as CPU copies instead (nothing can write into those)."""
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
-        index = len(self.calls[func])
+        prints = _fingerprint(args, kwargs) if self.fingerprinted else ()
+        if self.report is not None:
+            self.report.saved(func, outputs, offload)
+        given = _signature(args, kwargs)
+        if offload and any(t.device.type != "cpu" for t in outputs):
+            device = outputs[0].device
+            return (given, tree_map(lambda t: t.to("cpu") if isinstance(t, Tensor) else t, out), [], [], prints, device)
         for t in outputs:
             self.by_storage[_address(t)].append((func, index))
-        return (_signature(args, kwargs), out, outputs, [t._version for t in outputs])
+        return (given, out, outputs, [t._version for t in outputs], prints, None)
 
     def spoil_written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """An operation that writes into its arguments: a saved output it writes into is no longer
@@ -197,32 +286,116 @@ class Saved:
                     for op, index in self.by_storage.pop(_address(t), ()):
                         self.calls[op][index] = None
 
-    def decide(self, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
-        """Whether the policy saves this call of ``func`` (asked in the forward only, as torch does)."""
+    def decide(self, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+        """What the policy does with this call of ``func``: RECOMPUTE, SAVE or OFFLOAD."""
+        if self.names is not None:  # a naming policy: nothing is saved but what checkpoint_name names
+            return RECOMPUTE
         if _POLICY is None:  # torch 2.4's private form: policy_fn("forward", op, ...) -> bool
-            return bool(self.policy("forward", func, *args, **kwargs))
+            return SAVE if self.policy("forward", func, *args, **kwargs) else RECOMPUTE
         try:
             context = _CONTEXT(is_recompute=False, op_output=out)
         except TypeError:  # before op_output
             context = _CONTEXT(is_recompute=False)
         decision = self.policy(context, func, *args, **kwargs)
         if isinstance(decision, bool):
-            return decision
-        if decision in _SAVE or decision in _OFFLOAD:
-            return True
+            return SAVE if decision else RECOMPUTE
+        if decision in _SAVE:
+            return SAVE
         if decision in _RECOMPUTE:
-            return False
+            return RECOMPUTE
+        if decision in _OFFLOAD:
+            return OFFLOAD
         choices = ", ".join(f"CheckpointPolicy.{p.name}" for p in _POLICY)
         raise PolicyError(
             f"the save policy {getattr(self.policy, '__qualname__', self.policy)!r} returned {decision!r} "
             f"for {func}: a policy returns one of {choices} (or a bool)"
         )
 
+    def remember_made(self, func: Any, index: int, args: tuple, kwargs: dict, out: Any) -> None:
+        """Names only: where this call's outputs live, should a name come for them later."""
+        if not isinstance(out, Tensor):  # a name marks a single output's call
+            return
+        self.made[_address(out)] = (func, index, weakref.ref(out), out._version, args, kwargs)
+
+    def name(self, value: Tensor, name: str) -> None:
+        """``checkpoint_name(value, name)`` in the first forward: the call that made it is saved,
+        if the policy names it and that call can be kept."""
+        self.named.add(name)
+        if self.names is None or name not in self.names:
+            return
+        bottom = _bottom(value)
+        made = self.made.get(_address(bottom))
+        why = None
+        if made is None:
+            why = "no operation of the block made it (an input, or a value made by a view or an in-place op)"
+        else:
+            func, index, ref, version, args, kwargs = made
+            out = ref()
+            if out is None or out._version != version:
+                why = "it was written into (an in-place op) after the operation made it"
+            elif self.calls[func][index] is None:
+                self.calls[func][index] = self.keep(func, index, args, kwargs, out)
+                counters.SAVED_BY_POLICY += 1
+        if self.report is not None:
+            self.report.name(name, tuple(value.shape), why)
+
+    def unseen_names(self) -> List[str]:
+        return [] if self.names is None else sorted(self.names - self.named)
+
     def recording(self) -> "_Recording":
         return _Recording(self)
 
     def handing_back(self) -> "_HandingBack":
-        return _HandingBack(self)
+        return _HandingBack(self, fingerprints=self.fingerprinted)
+
+
+def nothing_saved(*args: Any, **kwargs: Any) -> bool:
+    """The policy of a block without one while ``saved_residuals`` reports (its recomputes are listed)."""
+    return False
+
+
+def describe(policy: Any) -> str:
+    """How the report names a policy."""
+    if policy is nothing_saved:
+        return "no save policy"
+    return f"policy {getattr(policy, '__qualname__', None) or repr(policy)}"
+
+
+def why_not_handed_back(saved: Saved, vmaps_at_forward: frozenset) -> Optional[str]:
+    """None where this recompute may be handed what the forward saved, else why not (the module docstring)."""
+    if not saved.usable:
+        return "an earlier recompute did not line up with the forward: everything is recomputed"
+    if _forward_mode_alive() and not saved.fingerprinted:
+        return (
+            "forward mode differentiates this recompute but not the forward (its tangent operations "
+            "would not line up): everything is recomputed"
+        )
+    if not saved.fingerprinted and not _vmap_levels() <= vmaps_at_forward:
+        return "a vmap the forward did not run under batches this recompute: everything is recomputed"
+    return None
+
+
+class _Now(threading.local):
+    """The recording running on this thread (the innermost), for ``checkpoint_name``."""
+
+    def __init__(self) -> None:
+        self.recordings: List["_Recording"] = []
+
+
+NOW = _Now()
+
+
+def checkpoint_name(value: Any, name: str) -> Any:
+    """Give ``value`` a name a naming save policy can save (``save_only_these_names``); returns it."""
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_name(value, name={name!r}): the name is a str")
+    recordings = NOW.recordings
+    if recordings and isinstance(value, Tensor):
+        # what is read here (its storage, version, shape) is bookkeeping, not the block reading a
+        # tensor: unseen by the run-time proof (a function mode) and by a user's function modes
+        with torch._C.DisableTorchFunction():
+            recordings[-1].saved.name(value, name)
+    return value
 
 
 class _Recording(TorchDispatchMode):
@@ -231,6 +404,25 @@ class _Recording(TorchDispatchMode):
     def __init__(self, saved: Saved) -> None:
         super().__init__()
         self.saved = saved
+
+    def __enter__(self) -> "_Recording":
+        NOW.recordings.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        NOW.recordings.remove(self)
+        saved = self.saved
+        saved.made = {}
+        result = super().__exit__(*exc)
+        unseen = saved.unseen_names()
+        if unseen and exc[0] is None:
+            warnings.warn(
+                f"save_only_these_names{tuple(sorted(saved.names or ()))}: the checkpointed block never named "
+                f"{', '.join(map(repr, unseen))} with ckpt_guard.checkpoint_name(value, name) (it named "
+                f"{sorted(saved.named) or 'nothing'}): nothing is saved for {'it' if len(unseen) == 1 else 'them'}",
+                UserWarning, stacklevel=residuals.user_stacklevel(),
+            )
+        return result
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -241,9 +433,12 @@ class _Recording(TorchDispatchMode):
         saved.spoil_written(func, args, kwargs)
         entry = None
         # asked about every operation, as torch asks (a policy may count them); kept where it can be
-        if saved.decide(func, args, kwargs, out) and _keepable(func):
-            entry = saved.keep(func, args, kwargs, out)
+        decision = saved.decide(func, args, kwargs, out)
+        if decision and _keepable(func):
+            entry = saved.keep(func, len(saved.calls[func]), args, kwargs, out, offload=decision == OFFLOAD)
             counters.SAVED_BY_POLICY += 1
+        elif saved.names is not None and _keepable(func):
+            saved.remember_made(func, len(saved.calls[func]), args, kwargs, out)
         saved.calls[func].append(entry)
         return out
 
@@ -251,17 +446,20 @@ class _Recording(TorchDispatchMode):
 class _HandingBack(TorchDispatchMode):
     """A recompute: the n-th call of an operation gets what its n-th forward call saved."""
 
-    def __init__(self, saved: Saved) -> None:
+    def __init__(self, saved: Saved, fingerprints: bool = False) -> None:
         super().__init__()
         self.saved = saved
         self.counts: Dict[Any, int] = collections.defaultdict(int)
         self.lined_up = True
+        #: under forward mode: each handed-back call's arguments must match the forward's fingerprint
+        self.fingerprints = fingerprints
+        self.report = None if saved.report is None else saved.report.recompute()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         self.saved.spoil_written(func, args, kwargs)  # a write into what was handed back
         if not self.lined_up or func in _IGNORED:
-            return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         index = self.counts[func]
         self.counts[func] = index + 1
         calls = self.saved.calls.get(func)
@@ -270,21 +468,34 @@ class _HandingBack(TorchDispatchMode):
         entry = calls[index]
         if entry is None:
             counters.RECOMPUTED_UNDER_POLICY[func] += 1
-            return func(*args, **kwargs)
-        given, kept, outputs, versions = entry
+            return self._run(func, args, kwargs)
+        given, kept, outputs, versions, prints, device = entry
         if _signature(args, kwargs) != given:
+            return self._not_lined_up(func, args, kwargs)
+        if self.fingerprints and not _same_prints(_fingerprint(args, kwargs), prints):
             return self._not_lined_up(func, args, kwargs)
         if [t._version for t in outputs] != versions:
             # written into since (after the block, through the tensor it returned): computed again
             calls[index] = None
-            return func(*args, **kwargs)
+            return self._run(func, args, kwargs)
         counters.HANDED_BACK += 1
+        if self.report is not None:
+            self.report.handed_back(func)
+        if device is not None:  # offloaded: back to its device
+            return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, Tensor) else t, kept)
         # a new tensor on the same memory: the levels above record this call as the operation's own
         return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, kept)
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.report is not None and func not in _IGNORED:
+            self.report.ran(func, _keepable(func) or _NONDETERMINISTIC in func.tags)
+        return func(*args, **kwargs)
 
     def _not_lined_up(self, func: Any, args: tuple, kwargs: dict) -> Any:
         # the block runs other operations than its forward did: compute everything from here on,
         # and in every later recompute (what was handed back so far matched call by call)
         self.lined_up = False
         self.saved.usable = False
-        return func(*args, **kwargs)
+        if self.report is not None:
+            self.report.not_lined_up(func)
+        return self._run(func, args, kwargs)
