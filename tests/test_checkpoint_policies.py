@@ -11,6 +11,7 @@ module kind; here each ready policy gets the transforms.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -274,7 +275,7 @@ def test_bad_input_is_named():
 @pytest.mark.skipif(HAS_POLICIES, reason="torch has the selective checkpointing API: context_fn works")
 def test_context_fn_needs_torch_2_5():
     cp = _policies()
-    with pytest.raises(RuntimeError, match=rf"torch >= 2.5.*torch {torch.__version__}"):
+    with pytest.raises(RuntimeError, match=rf"torch >= 2.5.*torch {re.escape(torch.__version__)}"):
         cp.context_fn(lambda *a: True)
 
 
@@ -282,7 +283,7 @@ def test_context_fn_needs_torch_2_5():
 def test_offload_dots_on_the_cpu_is_dots_saveable():
     cp = _policies()
     if not hasattr(tuc.CheckpointPolicy, "MUST_CPU_OFFLOAD"):
-        with pytest.raises(RuntimeError, match=f"torch {torch.__version__}'s CheckpointPolicy has no MUST_CPU_OFFLOAD"):
+        with pytest.raises(RuntimeError, match=f"torch {re.escape(torch.__version__)}'s CheckpointPolicy has no MUST_CPU_OFFLOAD"):
             cp.offload_dots(None, torch.ops.aten.mm.default)
         return
     (reference, plain), (got, flops) = _runs("grad", cp.context_fn(cp.offload_dots))
@@ -322,3 +323,27 @@ def test_torch_compile_of_a_block_with_names_and_a_ready_policy_is_the_eager_res
         out.pow(2).sum().backward()
         results.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
     _assert_equal(results[1], results[0])
+
+
+GLOBAL_WEIGHT = torch.randn(6, 6, dtype=DTYPE, requires_grad=True)
+
+
+@needs_policies
+def test_names_on_a_block_ckpt_guards_recompute_refuses_warn_and_the_result_is_torchs():
+    """A block reading a global tensor that needs a gradient (refusal class global-tensor): torch's checkpoint
+    runs it, which cannot see names; the warning says so, and the gradient is right."""
+    cp = _policies()
+
+    def block(h):
+        return ckpt_guard.checkpoint_name(torch.tanh(h @ GLOBAL_WEIGHT), "inner")
+
+    x = torch.randn(4, 6, dtype=DTYPE)
+    GLOBAL_WEIGHT.grad = None
+    block(x).sum().backward()
+    expected = GLOBAL_WEIGHT.grad.clone()
+    GLOBAL_WEIGHT.grad = None
+    context_fn = cp.context_fn(cp.save_only_these_names("inner"))
+    with pytest.warns(UserWarning, match=r"save_only_these_names\('inner'\): ckpt_guard's recompute cannot take this "
+                                         r"block .*nothing is saved by name"):
+        ckpt_guard.checkpoint(block, x, context_fn=context_fn).sum().backward()
+    torch.testing.assert_close(GLOBAL_WEIGHT.grad, expected)

@@ -318,6 +318,7 @@ def public_checkpoint(
             built = refused.reason
     if named_eager:
         _names_not_kept(names, built, "torch's checkpoint runs it, which cannot see the names")
+        names._warned = True  # said here: not again by the policy, whose advice is this call
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     if eager:
         if _state.swaps_active_here():  # torch's checkpoint, guarded as any call: the guard sees this swap

@@ -331,6 +331,8 @@ class Saved:
         else:
             func, index, ref, version, args, kwargs = made
             out = ref()
+            if out is not None and hasattr(out, "_fix_weakref"):
+                out._fix_weakref()  # a tensor made below the dispatcher, reached through a weak reference
             if out is None or out._version != version:
                 why = "it was written into (an in-place op) after the operation made it"
             elif self.calls[func][index] is None:
