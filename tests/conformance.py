@@ -324,12 +324,42 @@ def _save_policy_context(keep: Callable[[Any], bool]) -> Any:
     return functools.partial(tuc._pt2_selective_checkpoint_context_fn_gen, lambda mode, op, *a, **k: keep(op))
 
 
+def _names_context(*names: str) -> Any:
+    """A ``context_fn`` applying ``checkpoint_policies.save_only_these_names(*names)`` (torch 2.4: its private form)."""
+    import torch.utils.checkpoint as tuc
+
+    from ckpt_guard.checkpoint_policies import save_only_these_names
+
+    policy = save_only_these_names(*names)
+    if hasattr(tuc, "create_selective_checkpoint_contexts"):
+        return functools.partial(tuc.create_selective_checkpoint_contexts, policy)
+    return functools.partial(tuc._pt2_selective_checkpoint_context_fn_gen, policy)
+
+
+def _naming_outputs(function: Any) -> Any:
+    """``function`` with each tensor it returns named "out" (``ckpt_guard.checkpoint_name``)."""
+    def named(*args):
+        return torch.utils._pytree.tree_map(
+            lambda t: ckpt_guard.checkpoint_name(t, "out") if isinstance(t, torch.Tensor) else t, function(*args)
+        )
+
+    return named
+
+
 SAVE_MATMULS = _save_policy_context(lambda op: op in MATMULS)
 SAVE_EVERYTHING = _save_policy_context(lambda op: True)
 
 
 def _save_matmuls(function, *args):
     return ckpt_guard.checkpoint(function, *args, context_fn=SAVE_MATMULS)
+
+
+#: a naming policy (JAX's save_only_these_names): the entry names every block's output "out"
+SAVE_NAMED = _names_context("out")
+
+
+def _save_named(function, *args):
+    return ckpt_guard.checkpoint(_naming_outputs(function), *args, context_fn=SAVE_NAMED)
 
 
 def _nr_save_everything(function, *args):
@@ -346,11 +376,13 @@ ENTRIES: Dict[str, Tuple[str, Any]] = {
     "nested ckpt_guard.checkpoint, fallback": ("fallback", "nested"),
     "recursive ckpt_guard.checkpoint, strict": ("strict", "recursive"),
     "ckpt_guard.checkpoint, save matmuls, strict": ("strict", _save_matmuls),
+    "ckpt_guard.checkpoint, save named, strict": ("strict", _save_named),
     "torch checkpoint (non-reentrant), save everything, fallback": ("fallback", _nr_save_everything),
 }
 #: the entries with a save policy (a conformance axis of their own: issue 31)
 POLICY_ENTRIES = (
-    "ckpt_guard.checkpoint, save matmuls, strict", "torch checkpoint (non-reentrant), save everything, fallback",
+    "ckpt_guard.checkpoint, save matmuls, strict", "ckpt_guard.checkpoint, save named, strict",
+    "torch checkpoint (non-reentrant), save everything, fallback",
 )
 
 
