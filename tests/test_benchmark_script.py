@@ -80,3 +80,23 @@ def test_the_hand_written_recompute_computes_the_same_hessian_vector_product():
     assert gradient.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(gradient[name], value)
+
+
+def test_policies_quick_measures_every_variant_and_their_results_agree():
+    """``benchmarks/policies.py --size quick``: a table per workload, every variant's result equal."""
+    import pytest
+    import torch.utils.checkpoint as tuc
+
+    if not hasattr(tuc, "create_selective_checkpoint_contexts"):
+        pytest.skip("save policies need torch >= 2.5 (the script's ready policies refuse older releases)")
+    env = dict(os.environ)
+    env.pop("CKPT_GUARD_POLICY", None)
+    env.pop("CKPT_GUARD_RULES", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "policies.py"), "--size", "quick", "--repeat", "1"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("results equal: yes") == 3, proc.stdout
+    for variant in ("no checkpoint", "save nothing", "save matmuls", "save named"):
+        assert proc.stdout.count(f"| {variant} | ") == 3, proc.stdout

@@ -228,7 +228,8 @@ class Residuals:
             lines.extend(block.lines())
         return "\n".join(lines)
 
-    __repr__ = __str__
+    def __repr__(self) -> str:  # printed already: a REPL echoing the returned report gets one line
+        return f"<saved_residuals: {len(self.blocks)} block call(s), {_bytes(self.saved_bytes)} saved by policies>"
 
 
 def block_entry(label: str = "", policy: str = "") -> Optional[Block]:

@@ -35,8 +35,8 @@ computes tangents with operations that reach the same dispatch mode as the
 primal ones (measured: ``jvp`` of ``tanh(x @ W)`` sends three ``mm`` down where
 the primal sends one), and a tangent's ``mm`` has the primal's shapes.  So
 where a forward-mode level is alive at the first forward, each saved call
-also keeps a **fingerprint** of what it was given: two float64 numbers per
-tensor (its sum, and its position-weighted sum); a recompute's call gets the
+also keeps a **fingerprint** of what it was given: three float64 numbers per
+tensor (its sum, the sum of its even positions, its norm); a recompute's call gets the
 saved outputs only if its arguments have the same fingerprint.  An operation
 is a function of its arguments (random ones are never kept), so equal
 arguments mean the saved outputs are its outputs, whichever primal or tangent
@@ -63,7 +63,9 @@ or time is lost.
 name is given after the operation that made the value ran, so the recording
 remembers, for each keepable call, where its output lives; naming a value
 marks the call that made the memory it lives in as saved (a view of an
-operation's output saves that operation's output).  Until the block's forward
+operation's output saves that operation's output; a value made by adding a
+bias to a matrix product, as a ``Linear`` is run under vmap, saves the product,
+not the ``add``).  Until the block's forward
 ends, the recording holds each keepable call's arguments for that (a named
 call is kept with what it was given); a name the policy lists that the block
 never gives warns, naming it.
@@ -183,9 +185,10 @@ def _arguments_of(func: Any, args: tuple, kwargs: dict) -> list:
 
 
 def _fingerprint(args: tuple, kwargs: dict) -> tuple:
-    """Two float64 numbers per tensor argument: its sum and its position-weighted sum (the
-    forward-mode check, see the module docstring); computed below every transform level, unseen by
-    the dispatch modes below this one (a FLOP counter, a user's mode)."""
+    """Three float64 numbers per tensor argument: its sum, the sum of its even positions, its norm
+    (the forward-mode check, see the module docstring).  Reductions that read the tensor once,
+    accumulating in float64 without a copy; computed below every transform level, unseen by the
+    dispatch modes below this one (a FLOP counter, a user's mode)."""
     prints = []
     with _disable_current_modes(), torch._C._DisableFuncTorch(), torch.no_grad():
         for value in (*args, *kwargs.values()):
@@ -195,9 +198,29 @@ def _fingerprint(args: tuple, kwargs: dict) -> tuple:
                 if t._is_zerotensor() or t.device.type == "meta":  # forward mode's zero tangents: no data
                     prints.append(t.device.type == "meta" or "zero")
                     continue
-                flat = t.reshape(-1).to(torch.complex128 if t.is_complex() else torch.float64)
-                prints.append(torch.stack((flat.sum(), flat.cumsum(0).sum())) if flat.numel() else flat)
+                if t.is_complex():
+                    t = torch.view_as_real(t)
+                elif not t.is_floating_point():
+                    t = t.to(_F64)
+                flat = t.reshape(-1)
+                prints.append(torch.stack((
+                    flat.sum(dtype=_F64), flat[::2].sum(dtype=_F64), torch.linalg.vector_norm(flat, dtype=_F64),
+                )))
     return tuple(prints)
+
+
+_F64 = torch.float64
+_ADD = torch.ops.aten.add.Tensor
+#: matrix products (a naming policy keeps one of these instead of the bias ``add`` after it)
+_DOTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default})
+
+
+def _alive(ref: Any) -> Optional[Tensor]:
+    """What a weak reference to a tensor made below the dispatcher holds (None: gone)."""
+    out = ref()
+    if out is not None and hasattr(out, "_fix_weakref"):
+        out._fix_weakref()  # torch 2.4: reached through a weak reference, its ownership is fixed here
+    return out
 
 
 def _same_prints(given: tuple, kept: tuple) -> bool:
@@ -315,7 +338,13 @@ class Saved:
         """Names only: where this call's outputs live, should a name come for them later."""
         if not isinstance(out, Tensor):  # a name marks a single output's call
             return
-        self.made[_address(out)] = (func, index, weakref.ref(out), out._version, args, kwargs)
+        address = _address(out)
+        earlier = self.made.get(address)
+        if earlier is not None and _alive(earlier[2]) is not None:
+            return  # memory an earlier output still owns (``_unsafe_view`` of an ``mm``): that call made it
+        # a product's output is held (its view may outlive it: ``_through_bias``), the rest weakly
+        ref = (lambda: out) if func in _DOTS else weakref.ref(out)
+        self.made[address] = (func, index, ref, out._version, args, kwargs)
 
     def name(self, value: Tensor, name: str) -> None:
         """``checkpoint_name(value, name)`` in the first forward: the call that made it is saved,
@@ -323,16 +352,14 @@ class Saved:
         self.named.add(name)
         if self.names is None or name not in self.names:
             return
-        bottom = _bottom(value)
-        made = self.made.get(_address(bottom))
+        made = self.made.get(_address(_bottom(value)))
         why = None
         if made is None:
             why = "no operation of the block made it (an input, or a value made by a view or an in-place op)"
         else:
+            made = self._through_bias(made)
             func, index, ref, version, args, kwargs = made
-            out = ref()
-            if out is not None and hasattr(out, "_fix_weakref"):
-                out._fix_weakref()  # a tensor made below the dispatcher, reached through a weak reference
+            out = _alive(ref)
             if out is None or out._version != version:
                 why = "it was written into (an in-place op) after the operation made it"
             elif self.calls[func][index] is None:
@@ -340,6 +367,19 @@ class Saved:
                 counters.SAVED_BY_POLICY += 1
         if self.report is not None:
             self.report.name(name, tuple(value.shape), why)
+
+    def _through_bias(self, made: tuple) -> tuple:
+        """A value made by adding a bias to a matrix product (a ``Linear`` under vmap: ``mm``, then
+        ``add``): the product's call is kept instead, the cheap ``add`` recomputed from it (the same
+        memory; kept, the ``add``'s output would leave the ``mm`` to run again)."""
+        func, _, _, _, args, _ = made
+        if func is not _ADD:
+            return made
+        for operand in args[:2]:  # under vmap: add(bias, product) or add(product, bias)
+            product = self.made.get(_address(operand)) if isinstance(operand, Tensor) else None
+            if product is not None and product[0] in _DOTS and _alive(product[2]) is not None:
+                return product
+        return made
 
     def unseen_names(self) -> List[str]:
         return [] if self.names is None else sorted(self.names - self.named)
