@@ -124,9 +124,12 @@ class save_only_these_names:  # noqa: N801 - named as JAX's function, and used l
     def __init__(self, *names: str) -> None:
         bad = [n for n in names if not isinstance(n, str)]
         if bad or not names:
+            hint = ""
+            if len(names) == 1 and isinstance(names[0], (list, tuple, set, frozenset)):
+                hint = f"; pass them as separate arguments: save_only_these_names(*{list(names[0])!r})"
             raise TypeError(
                 f"save_only_these_names{names!r}: give one or more names (str), as passed to "
-                "ckpt_guard.checkpoint_name(value, name)"
+                f"ckpt_guard.checkpoint_name(value, name){hint}"
             )
         self.saved_names: FrozenSet[str] = frozenset(names)
         self._warned = False
@@ -138,24 +141,46 @@ class save_only_these_names:  # noqa: N801 - named as JAX's function, and used l
         # only torch's own selective checkpointing calls this (ckpt_guard's reads saved_names)
         if not self._warned:
             self._warned = True
+            from ._composable.residuals import user_stacklevel
+
             warnings.warn(
                 f"{self!r} under torch's own checkpoint: torch's selective checkpointing cannot see "
                 "ckpt_guard.checkpoint_name (a name comes after the operation ran), so nothing is saved by "
                 "name here; use ckpt_guard.checkpoint(block, ..., context_fn=...), which does",
-                UserWarning, stacklevel=2,
+                UserWarning, stacklevel=user_stacklevel(),
             )
         return _POLICY.PREFER_RECOMPUTE if _POLICY is not None else False
 
 
-def context_fn(policy: Callable[..., Any]) -> Callable[[], Any]:
-    """The ``context_fn`` that applies ``policy`` (torch's ``create_selective_checkpoint_contexts``)."""
+def context_fn(policy: Any) -> Callable[[], Any]:
+    """The ``context_fn`` that applies ``policy`` (torch's ``create_selective_checkpoint_contexts``):
+    a policy function, or a list of operations to save (``[torch.ops.aten.mm.default, ...]``)."""
     _needs_policies("context_fn")
-    if not callable(policy):
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        bad = [op for op in policy if not isinstance(op, torch._ops.OpOverload)]
+        if bad:
+            raise TypeError(
+                f"checkpoint_policies.context_fn({policy!r}): a list of operations holds OpOverloads such as "
+                f"torch.ops.aten.mm.default, not {bad[0]!r}"
+            )
+        policy = list(policy)
+    elif not callable(policy):
         raise TypeError(
             f"checkpoint_policies.context_fn({policy!r}): a policy is a function (ctx, op, *args, **kwargs) -> "
-            "CheckpointPolicy, e.g. checkpoint_policies.dots_saveable"
+            "CheckpointPolicy, e.g. checkpoint_policies.dots_saveable, or a list of operations to save"
         )
     return functools.partial(_tuc.create_selective_checkpoint_contexts, policy)
+
+
+#: the policies of this module (a ``context_fn=`` given one of these forgot ``context_fn(...)``)
+def is_policy_not_context_fn(value: Any) -> bool:
+    """Whether ``value``, given as ``context_fn``, is one of this module's policies (not a context_fn)."""
+    return isinstance(value, save_only_these_names) or value in _READY
+
+
+_READY = (
+    everything_saveable, nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, offload_dots,
+)
 
 
 def names_policy_of(context_fn: Any) -> Any:

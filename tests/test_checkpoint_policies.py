@@ -263,7 +263,7 @@ def test_saved_residuals_says_when_no_block_went_through_the_composable_recomput
 
 def test_bad_input_is_named():
     assert ckpt_guard.PolicyError.__module__ == "ckpt_guard._composable.saving"
-    with pytest.raises(TypeError, match=r"checkpoint_name\(value, name=3\)"):
+    with pytest.raises(TypeError, match=r"checkpoint_name\(value, name=3\): the name must be a str"):
         ckpt_guard.checkpoint_name(torch.ones(1), 3)
     if not HAS_POLICIES:
         return
@@ -351,3 +351,71 @@ def test_names_on_a_block_ckpt_guards_recompute_refuses_warn_and_the_result_is_t
                                          r"block .*nothing is saved by name"):
         ckpt_guard.checkpoint(block, x, context_fn=context_fn).sum().backward()
     torch.testing.assert_close(GLOBAL_WEIGHT.grad, expected)
+
+
+@needs_policies
+def test_a_policy_error_under_the_matmul_operator_is_not_turned_into_an_operand_error():
+    """torch turns a TypeError raised under ``a @ b`` into NotImplemented: PolicyError is a ValueError."""
+    cp = _policies()
+    w = torch.randn(4, 4, dtype=DTYPE)
+
+    def block(x, w):
+        return torch.tanh(x @ w) @ w
+
+    context_fn = cp.context_fn(lambda ctx, op, *args, **kwargs: "save")
+    with pytest.raises(ckpt_guard.PolicyError, match=r"returned 'save' for aten\.mm\.default.*CheckpointPolicy\.MUST_SAVE"):
+        grad(lambda w: ckpt_guard.checkpoint(block, torch.ones(2, 4, dtype=DTYPE), w, context_fn=context_fn).sum())(w)
+
+
+@needs_policies
+def test_a_saved_value_written_in_place_after_it_was_named_is_reported_not_kept():
+    cp = _policies()
+    w = torch.randn(4, 4, dtype=DTYPE)
+
+    def block(x, w):
+        h = ckpt_guard.checkpoint_name(torch.mm(x, w), "h")
+        h.mul_(2)
+        return torch.tanh(h)
+
+    x = torch.randn(3, 4, dtype=DTYPE)
+    context_fn = cp.context_fn(cp.save_only_these_names("h"))
+    report = ckpt_guard.saved_residuals(grad(lambda w: ckpt_guard.checkpoint(block, x, w, context_fn=context_fn).sum()), w)
+    torch.testing.assert_close(report.result, grad(lambda w: block(x, w).sum())(w))
+    [entry] = report.blocks
+    assert report.saved_bytes == 0 and entry.kept == []
+    assert entry.values[0].dropped.startswith("aten.mul_.Tensor wrote into it")
+    assert "not saved: aten.mul_.Tensor wrote into it" in str(report) and "NOT kept" in str(report)
+
+
+@needs_policies
+def test_context_fn_takes_a_list_of_operations_and_names_a_policy_given_as_context_fn():
+    cp = _policies()
+    (reference, plain), (got, flops) = _runs("grad", cp.context_fn([torch.ops.aten.addmm.default, torch.ops.aten.mm.default]))
+    _assert_equal(got, reference)
+    assert flops == plain
+    with pytest.raises(TypeError, match=r"context_fn\(\[.*not 'mm'"):
+        cp.context_fn([torch.ops.aten.mm.default, "mm"])
+    x = torch.randn(4, 6, dtype=DTYPE)
+    with pytest.raises(TypeError, match=r"context_fn=dots_saveable\): that is a save policy.*checkpoint_policies\.context_fn\(dots_saveable\)"):
+        ckpt_guard.checkpoint(Block().to(DTYPE), x, context_fn=cp.dots_saveable)
+    with pytest.raises(TypeError, match=r"separate arguments: save_only_these_names\(\*\['a', 'b'\]\)"):
+        cp.save_only_these_names(["a", "b"])
+
+
+@needs_policies
+def test_names_on_a_pytree_name_each_tensor_and_a_non_tensor_is_reported():
+    cp = _policies()
+    w = torch.randn(4, 4, dtype=DTYPE)
+
+    def block(x, w):
+        a, b = ckpt_guard.checkpoint_name((torch.mm(x, w), torch.mm(w, x.T)), "pair")
+        ckpt_guard.checkpoint_name(3, "three")
+        return torch.tanh(a).sum() + torch.tanh(b).sum()
+
+    x = torch.randn(4, 4, dtype=DTYPE)
+    context_fn = cp.context_fn(cp.save_only_these_names("pair", "three"))
+    report = ckpt_guard.saved_residuals(grad(lambda w: ckpt_guard.checkpoint(block, x, w, context_fn=context_fn)), w)
+    torch.testing.assert_close(report.result, grad(lambda w: block(x, w))(w))
+    [entry] = report.blocks
+    assert [v.op for v in entry.kept] == ["aten.mm.default", "aten.mm.default"]
+    assert "not a tensor" in entry.names["three"][1]

@@ -20,11 +20,20 @@ def _needs_transformers():
     return ()
 
 
+def _needs_policies():
+    import torch.utils.checkpoint as tuc
+
+    if not hasattr(tuc, "create_selective_checkpoint_contexts"):
+        return pytest.mark.skip(reason="save policies need torch >= 2.5 (selective checkpointing's API)")
+    return ()
+
+
 @pytest.mark.parametrize("script, shows", [
     ("per_sample_grads.py", f"[{per_sample_grads_refusal()}]"),
     ("gan_step_order.py", "[CKG108]"),
     ("meanflow_loss.py", "match the network without checkpointing"),
     ("hvp_forward_over_reverse.py", "the four Hessian-vector products agree"),
+    pytest.param("save_policies.py", "handed back: aten.addmm.default x2", marks=_needs_policies()),
     pytest.param("hf_per_sample_grads.py", "GPT2Block at transformer.h.", marks=_needs_transformers()),
 ])
 def test_example_runs(script, shows):

@@ -24,7 +24,7 @@ from .._exceptions import CheckpointCompositionError
 from .._messages import _warn, build_message, describe_site, describe_variant, user_frame
 from .._rules import DRIFT_RULES
 from .._rules import Rule
-from ..checkpoint_policies import names_policy_of
+from ..checkpoint_policies import is_policy_not_context_fn, names_policy_of
 from .._state import block_reads as _reads
 
 
@@ -275,6 +275,12 @@ def public_checkpoint(
     the scope's, else the installed one, else the environment's (default
     strict), whether or not the guard is installed.
     """
+    if context_fn is not None and is_policy_not_context_fn(context_fn):
+        name = getattr(context_fn, "__name__", None) or repr(context_fn)
+        raise TypeError(
+            f"ckpt_guard.checkpoint(..., context_fn={name}): that is a save policy, not a context_fn; "
+            f"pass context_fn=checkpoint_policies.context_fn({name})"
+        )
     scoped = _scoped_config()
     if scoped is not None and scoped.plain:  # inside a recompute: the outer one recomputes this too
         return function(*args, **{k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS})

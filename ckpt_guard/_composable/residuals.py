@@ -91,10 +91,16 @@ def _bytes(n: float) -> str:
 class SavedValue:
     """One output a policy saved: the operation, its shape and dtype, its bytes, the user's line."""
 
-    __slots__ = ("op", "shape", "dtype", "nbytes", "where", "offloaded")
+    __slots__ = ("op", "shape", "dtype", "nbytes", "where", "offloaded", "key", "dropped")
 
-    def __init__(self, op: str, shape: tuple, dtype: Any, nbytes: int, where: str, offloaded: bool) -> None:
+    def __init__(
+        self, op: str, shape: tuple, dtype: Any, nbytes: int, where: str, offloaded: bool, key: tuple,
+    ) -> None:
         self.op, self.shape, self.dtype, self.nbytes, self.where, self.offloaded = op, shape, dtype, nbytes, where, offloaded
+        #: (operation, call index): the call it came from
+        self.key = key
+        #: why it is no longer kept (an in-place write into it since), or None: kept
+        self.dropped: Optional[str] = None
 
 
 class Recompute:
@@ -129,16 +135,21 @@ class Block:
 
     # -- written by ``saving``
 
-    def saved(self, func: Any, outputs: list, offload: bool) -> None:
+    def saved(self, func: Any, index: int, outputs: list, offload: bool) -> None:
         where = _user_line()
         for t in outputs:
             self.values.append(SavedValue(
                 _op_name(func), tuple(t.shape), t.dtype, t.numel() * t.element_size(), where,
-                offload and t.device.type != "cpu",
+                offload and t.device.type != "cpu", (func, index),
             ))
 
-    def name(self, name: str, shape: tuple, why: Optional[str]) -> None:
-        self.names[name] = (shape, why)
+    def dropped(self, func: Any, index: int, why: str) -> None:
+        for value in self.values:
+            if value.key == (func, index) and value.dropped is None:
+                value.dropped = why
+
+    def name(self, name: str, shape: tuple, why: Optional[str], key: Optional[tuple]) -> None:
+        self.names[name] = (shape, why, key)
 
     def recompute(self, note: str = "") -> "_RecomputeWriter":
         entry = Recompute(describe_transforms(transform_stack()), note)
@@ -148,29 +159,41 @@ class Block:
     # -- read
 
     @property
+    def kept(self) -> List[SavedValue]:
+        """The values still kept (not dropped by an in-place write since)."""
+        return [v for v in self.values if v.dropped is None]
+
+    @property
     def saved_bytes(self) -> int:
-        return sum(v.nbytes for v in self.values)
+        return sum(v.nbytes for v in self.kept)
 
     def lines(self) -> List[str]:
-        out = [f"block {self.index}: {self.label}, called at {self.site} under {self.levels}"
+        levels = self.levels if self.levels != "none" else "no torch.func transform"
+        out = [f"block {self.index}: {self.label}, called at {self.site} under {levels}"
                + (f" ({self.policy})" if self.policy else "")]
         if self.values:
-            out.append(f"  saved in the forward: {len(self.values)} value(s), {_bytes(self.saved_bytes)}")
+            out.append(f"  saved in the forward: {len(self.kept)} value(s), {_bytes(self.saved_bytes)}")
             for v in self.values:
                 shape = "(" + ", ".join(map(str, v.shape)) + ("," if len(v.shape) == 1 else "") + ")"
                 kept = " (offloaded to the CPU)" if v.offloaded else ""
+                if v.dropped is not None:
+                    kept += f" -- NOT kept: {v.dropped}; recomputed"
                 out.append(f"    {v.op:<28} {shape:<16} {str(v.dtype).replace('torch.', ''):<9} "
                            f"{_bytes(v.nbytes):>10}  {v.where}{kept}")
         else:
             out.append("  saved in the forward: nothing (every operation is recomputed)")
-        for name, (shape, why) in sorted(self.names.items()):
-            out.append(f"  name {name!r} {shape}: " + ("saved" if why is None else f"not saved: {why}"))
+        dropped = {v.key: v.dropped for v in self.values if v.dropped is not None}
+        for name, (shape, why, key) in sorted(self.names.items()):
+            if why is None and key in dropped:
+                why = dropped[key]
+            out.append(f"  name {name!r} {shape} (as the block sees it): "
+                       + ("saved" if why is None else f"not saved: {why}"))
         if not self.recomputes:
             out.append("  recomputed: not yet (no backward of it ran inside the function)")
         for i, r in enumerate(self.recomputes, 1):
             handed = ", ".join(f"{op} x{n}" for op, n in sorted(r.handed_back.items())) or "nothing"
             ran = ", ".join(f"{op} x{n}" for op, n in sorted(r.ran.items())) or "nothing"
-            out.append(f"  recompute {i} under {r.levels}:")
+            out.append(f"  recompute {i}, inside {r.levels} (the innermost level is the recompute's own):")
             out.append(f"    handed back: {handed}")
             other = f" (and {r.other} view, metadata or in-place op(s))" if r.other else ""
             out.append(f"    ran again:   {ran}{other}")
@@ -210,16 +233,17 @@ class Residuals:
 
     @property
     def saved_bytes(self) -> int:
+        """Bytes the policies keep (values dropped by an in-place write since not counted)."""
         return sum(b.saved_bytes for b in self.blocks)
 
     def __str__(self) -> str:
         if not self.blocks:
             return (
-                "saved_residuals: no block went through ckpt_guard.checkpoint's composable recompute "
-                "(outside torch.func it is torch's own checkpoint, which keeps each block's inputs only; "
-                "its save policy runs in torch)"
+                "saved_residuals: no block went through ckpt_guard.checkpoint's composable recompute: "
+                "outside torch.func transforms torch's own checkpoint runs each block (with its own "
+                "selective checkpointing, if given a policy), which this report cannot see"
             )
-        values = sum(len(b.values) for b in self.blocks)
+        values = sum(len(b.kept) for b in self.blocks)
         lines = [
             f"saved_residuals: {len(self.blocks)} checkpointed block call(s); their policies saved "
             f"{values} value(s), {_bytes(self.saved_bytes)} (besides each block's inputs, which every checkpoint keeps)"

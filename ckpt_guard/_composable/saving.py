@@ -210,6 +210,20 @@ def _fingerprint(args: tuple, kwargs: dict) -> tuple:
 
 
 _F64 = torch.float64
+_computes_cache: Dict[Any, bool] = {}
+
+
+def _computes(func: Any) -> bool:
+    """An operation that computes new tensors (the report lists it; views, in-place ops and metadata
+    queries such as ``is_same_size`` are only counted)."""
+    known = _computes_cache.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = (_keepable(func) or _NONDETERMINISTIC in getattr(func, "tags", ())) and schema is not None and any(
+            str(r.type).startswith("Tensor") for r in schema.returns
+        )
+        _computes_cache[func] = known
+    return known
 _ADD = torch.ops.aten.add.Tensor
 #: matrix products (a naming policy keeps one of these instead of the bias ``add`` after it)
 _DOTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default})
@@ -244,8 +258,11 @@ _is_wrapped, _unwrapped = torch._C._functorch.is_functorch_wrapped_tensor, torch
 RECOMPUTE, SAVE, OFFLOAD = 0, 1, 2
 
 
-class PolicyError(TypeError):
-    """A save policy returned something that is not a ``CheckpointPolicy`` (nor a bool)."""
+class PolicyError(ValueError):
+    """A save policy returned something that is not a ``CheckpointPolicy`` (nor a bool).
+
+    Not a ``TypeError``: torch turns a ``TypeError`` raised under ``a @ b`` or ``a + b``
+    into ``NotImplemented``, and Python then reports an unsupported operand instead."""
 
 
 class Saved:
@@ -284,7 +301,7 @@ class Saved:
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         prints = _fingerprint(args, kwargs) if self.fingerprinted else ()
         if self.report is not None:
-            self.report.saved(func, outputs, offload)
+            self.report.saved(func, index, outputs, offload)
         given = _signature(args, kwargs)
         if offload and any(t.device.type != "cpu" for t in outputs):
             device = outputs[0].device
@@ -308,6 +325,8 @@ class Saved:
                 if isinstance(t, Tensor):
                     for op, index in self.by_storage.pop(_address(t), ()):
                         self.calls[op][index] = None
+                        if self.report is not None:
+                            self.report.dropped(op, index, f"{func} wrote into it in the block, after it was made")
 
     def decide(self, func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         """What the policy does with this call of ``func``: RECOMPUTE, SAVE or OFFLOAD."""
@@ -353,7 +372,7 @@ class Saved:
         if self.names is None or name not in self.names:
             return
         made = self.made.get(_address(_bottom(value)))
-        why = None
+        why, key = None, None
         if made is None:
             why = "no operation of the block made it (an input, or a value made by a view or an in-place op)"
         else:
@@ -362,11 +381,13 @@ class Saved:
             out = _alive(ref)
             if out is None or out._version != version:
                 why = "it was written into (an in-place op) after the operation made it"
-            elif self.calls[func][index] is None:
-                self.calls[func][index] = self.keep(func, index, args, kwargs, out)
-                counters.SAVED_BY_POLICY += 1
+            else:
+                key = (func, index)
+                if self.calls[func][index] is None:
+                    self.calls[func][index] = self.keep(func, index, args, kwargs, out)
+                    counters.SAVED_BY_POLICY += 1
         if self.report is not None:
-            self.report.name(name, tuple(value.shape), why)
+            self.report.name(name, tuple(value.shape), why, key)
 
     def _through_bias(self, made: tuple) -> tuple:
         """A value made by adding a bias to a matrix product (a ``Linear`` under vmap: ``mm``, then
@@ -380,6 +401,12 @@ class Saved:
             if product is not None and product[0] in _DOTS and _alive(product[2]) is not None:
                 return product
         return made
+
+    def name_nothing(self, name: str, value: Any) -> None:
+        """``checkpoint_name`` given no tensor: said in the report (the name was given)."""
+        self.named.add(name)
+        if self.report is not None:
+            self.report.name(name, (), f"the value named is a {type(value).__name__}, not a tensor", None)
 
     def unseen_names(self) -> List[str]:
         return [] if self.names is None else sorted(self.names - self.named)
@@ -430,13 +457,18 @@ NOW = _Now()
 def checkpoint_name(value: Any, name: str) -> Any:
     """Give ``value`` a name a naming save policy can save (``save_only_these_names``); returns it."""
     if not isinstance(name, str):
-        raise TypeError(f"checkpoint_name(value, name={name!r}): the name is a str")
+        raise TypeError(f"checkpoint_name(value, name={name!r}): the name must be a str, e.g. \"attn_out\"")
     recordings = NOW.recordings
-    if recordings and isinstance(value, Tensor):
+    if recordings:
+        saved = recordings[-1].saved
         # what is read here (its storage, version, shape) is bookkeeping, not the block reading a
         # tensor: unseen by the run-time proof (a function mode) and by a user's function modes
         with torch._C.DisableTorchFunction():
-            recordings[-1].saved.name(value, name)
+            leaves = [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]  # JAX names pytrees too
+            for t in leaves:
+                saved.name(t, name)
+            if not leaves:
+                saved.name_nothing(name, value)
     return value
 
 
@@ -459,7 +491,7 @@ class _Recording(TorchDispatchMode):
         unseen = saved.unseen_names()
         if unseen and exc[0] is None:
             warnings.warn(
-                f"save_only_these_names{tuple(sorted(saved.names or ()))}: the checkpointed block never named "
+                f"{saved.policy!r}: the checkpointed block never named "
                 f"{', '.join(map(repr, unseen))} with ckpt_guard.checkpoint_name(value, name) (it named "
                 f"{sorted(saved.named) or 'nothing'}): nothing is saved for {'it' if len(unseen) == 1 else 'them'}",
                 UserWarning, stacklevel=residuals.user_stacklevel(),
@@ -519,6 +551,8 @@ class _HandingBack(TorchDispatchMode):
         if [t._version for t in outputs] != versions:
             # written into since (after the block, through the tensor it returned): computed again
             calls[index] = None
+            if self.saved.report is not None:
+                self.saved.report.dropped(func, index, "written into after the block (through what it returned)")
             return self._run(func, args, kwargs)
         counters.HANDED_BACK += 1
         if self.report is not None:
@@ -530,7 +564,7 @@ class _HandingBack(TorchDispatchMode):
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         if self.report is not None and func not in _IGNORED:
-            self.report.ran(func, _keepable(func) or _NONDETERMINISTIC in func.tags)
+            self.report.ran(func, _computes(func))
         return func(*args, **kwargs)
 
     def _not_lined_up(self, func: Any, args: tuple, kwargs: dict) -> Any:
