@@ -530,3 +530,47 @@ def test_per_sample_gradients_of_real_blocks_with_in_place_writes(make, entry):
         return vmap(grad(loss), in_dims=(None, None, 0))(params, buffers, xs)
 
     assert_right(program, entry, recomputed=True)
+
+
+def _pullback_cases():
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    linear = torch.nn.Linear(4, 4).double()
+    params = {k: v.detach() for k, v in linear.named_parameters()}
+
+    def weights_as_arguments(ckpt):  # the tensors differentiated are the block's arguments
+        return vjp(lambda w: ckpt(lambda h, w: torch.tanh(h @ w), x, w).sum(0), w)
+
+    def module_through_functional_call(ckpt):  # ... or a module's parameters, swapped in
+        return vjp(lambda p: ckpt(lambda h: torch.tanh(functional_call(linear, p, (h,))), x).sum(0), params)
+
+    def input_only(ckpt):
+        return vjp(lambda h: ckpt(lambda h: torch.tanh(linear(h)), h).sum(0), x)
+
+    return {"weights as arguments": weights_as_arguments, "functional_call": module_through_functional_call,
+            "input only": input_only}
+
+
+@pytest.mark.parametrize("case", list(_pullback_cases()))
+@pytest.mark.parametrize("entry", ["ckpt_guard.checkpoint", "torch checkpoint under fallback"])
+def test_jvp_of_a_pullback_called_after_its_vjp_returned(case, entry):
+    """An HVP written as ``jvp(pullback)``: the saved tensors are the vjp's dead wrappers, and the jvp's level
+    may carry the dead level's number; the recompute crashed in functorch ("escaped?") before."""
+    make = _pullback_cases()[case]
+    cotangent = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+
+    def run(ckpt):
+        _, pullback = make(ckpt)
+        return torch.utils._pytree.tree_leaves(jvp(pullback, (cotangent,), (cotangent.flip(0),)))
+
+    reference = run(lambda f, *a: f(*a))
+    if entry == "ckpt_guard.checkpoint":
+        got = run(ckpt_guard.checkpoint)
+    else:
+        with ckpt_guard.policy("fallback"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = run(lambda f, *a: checkpoint(f, *a, use_reentrant=False))
+    assert len(got) == len(reference)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)

@@ -360,6 +360,10 @@ class _Recompute(torch.autograd.Function):
                 if own is not None:
                     tensors = tuple(_unwrap_for_grad(t, own) for t in tensors)
                     cotangents = [None if c is None else _unwrap_for_grad(c, own) for c in cotangents]
+                # a pullback called after its vjp returned, under a jvp (``jvp(pullback)``): the saved
+                # tensors are that vjp's dead wrappers, and the live jvp level may carry the dead level's
+                # number (functorch's "escaped?" assertion): the recompute starts from what they wrap
+                tensors = tuple(_levels._without_dead_wrappers(t) for t in tensors)
             with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
                 outputs, pullback = _vjp(plan, tensors, wanted)
             with torch.set_grad_enabled(building):  # no graph of the vjp otherwise: it would keep the recompute alive
