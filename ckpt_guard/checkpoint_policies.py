@@ -172,12 +172,12 @@ def context_fn(policy: Any) -> Callable[[], Any]:
     return functools.partial(_tuc.create_selective_checkpoint_contexts, policy)
 
 
-#: the policies of this module (a ``context_fn=`` given one of these forgot ``context_fn(...)``)
 def is_policy_not_context_fn(value: Any) -> bool:
     """Whether ``value``, given as ``context_fn``, is one of this module's policies (not a context_fn)."""
     return isinstance(value, save_only_these_names) or value in _READY
 
 
+#: the policies of this module (a ``context_fn=`` given one of these forgot ``context_fn(...)``)
 _READY = (
     everything_saveable, nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, offload_dots,
 )

@@ -236,14 +236,14 @@ class Plan:
         operations that made it, where that can line up (``saving``'s module docstring).
         """
         saved = self.saved
-        if saved is None:
-            return tuple(_output_tensors(self.call(tensors)))
-        why = _saving.why_not_handed_back(saved, self.vmaps_at_forward)
-        if why is not None:
-            if saved.report is not None:
+        context = _NO_CONTEXT
+        if saved is not None:
+            why = _saving.why_not_handed_back(saved, self.vmaps_at_forward)
+            if why is None:
+                context = saved.handing_back()
+            elif saved.report is not None:
                 saved.report.recompute(why)
-            return tuple(_output_tensors(self.call(tensors)))
-        with saved.handing_back():
+        with context:
             return tuple(_output_tensors(self.call(tensors)))
 
     # -- the first forward: the plain run, then packed into the recompute

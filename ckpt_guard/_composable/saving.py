@@ -89,6 +89,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import counters, residuals
+from .basics import _base
 from .replay import _forward_mode_alive, _vmap_levels
 
 Tensor = torch.Tensor
@@ -245,15 +246,6 @@ def _same_prints(given: tuple, kept: tuple) -> bool:
         )
 
 
-def _bottom(t: Tensor) -> Tensor:
-    """The tensor a torch.func wrapper (grad, vmap, jvp levels) holds at the bottom of the dispatcher."""
-    while _is_wrapped(t):
-        t = _unwrapped(t)
-    return t
-
-
-_is_wrapped, _unwrapped = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
-
 #: what a policy decided for one call (asked in the forward only, as torch asks)
 RECOMPUTE, SAVE, OFFLOAD = 0, 1, 2
 
@@ -371,7 +363,7 @@ class Saved:
         self.named.add(name)
         if self.names is None or name not in self.names:
             return
-        made = self.made.get(_address(_bottom(value)))
+        made = self.made.get(_address(_base(value)))
         why, key = None, None
         if made is None:
             why = "no operation of the block made it (an input, or a value made by a view or an in-place op)"
