@@ -466,7 +466,6 @@ WORKLOADS: Dict[str, tuple] = {
 
 
 def child(workload: str, variant: str, size: str) -> dict:
-    import gc
     import warnings
 
     import torch
@@ -479,6 +478,13 @@ def child(workload: str, variant: str, size: str) -> dict:
     step = setup(torch, size, variant)
     if variant == "fallback":
         ckpt_guard.install("fallback")
+    return peak_of(step)
+
+
+def peak_of(step: Callable[[], object]) -> dict:
+    """``{"peak_mb", "seconds"}`` of one ``step()`` after a warm-up: its peak RSS above what was resident."""
+    import gc
+
     step()  # a warm-up: lazy imports and caches belong to the set-up, not to the step
     gc.collect()
     baseline = _rss_kib("VmRSS")
@@ -498,11 +504,17 @@ def child(workload: str, variant: str, size: str) -> dict:
 
 def measure(workload: str, variant: str, size: str) -> dict:
     """One variant in a fresh process: ``{"peak_mb": ..., "seconds": ...}``."""
+    return in_fresh_process(HERE, workload, variant, size)
+
+
+def in_fresh_process(script: str, workload: str, variant: str, size: str) -> dict:
+    """``script --child workload variant --size size`` in a fresh process (glibc told to give freed
+    memory back, one thread, no guard configuration from the environment): the JSON it prints last."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     env.pop("CKPT_GUARD_POLICY", None)
     env.pop("CKPT_GUARD_RULES", None)
     proc = subprocess.run(
-        [sys.executable, HERE, "--child", workload, variant, "--size", size],
+        [sys.executable, script, "--child", workload, variant, "--size", size],
         capture_output=True, text=True, env=env, timeout=1800,
     )
     if proc.returncode != 0:

@@ -58,12 +58,13 @@ import concurrent.futures
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import warnings
 
 HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+import memory  # noqa: E402 - beside this script: its peak measurement and fresh-process runner
 
 #: per size: (d_model, heads, blocks, sequence, batch for grad, batch for vmap(grad), batch for jvp(grad))
 SIZES = {"quick": (64, 2, 2, 32, 8, 4, 4), "medium": (256, 4, 4, 128, 16, 8, 8)}
@@ -145,43 +146,17 @@ def setup(torch, size: str, workload: str, variant: str):
     return lambda: jvp(lambda p: grad(loss)(p, data), (params,), (direction,))
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def child(workload: str, variant: str, size: str) -> dict:
-    """One variant in this (fresh) process: peak RSS above the set-up of one step."""
-    import gc
-
+    """One variant in this (fresh) process: peak RSS above the set-up of one step (``memory.peak_of``)."""
     import torch
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    step = setup(torch, size, workload, variant)
-    step()  # a warm-up: lazy imports and caches belong to the set-up
-    gc.collect()
-    baseline = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # reset the peak RSS to the current RSS
-    result = step()
-    peak = _rss_kib("VmHWM")
-    del result
-    return {"peak_mb": (peak - baseline) / 1024}
+    return memory.peak_of(setup(torch, size, workload, variant))
 
 
 def measure(workload: str, variant: str, size: str) -> float:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    env.pop("CKPT_GUARD_POLICY", None)
-    env.pop("CKPT_GUARD_RULES", None)
-    proc = subprocess.run([sys.executable, HERE, "--child", workload, variant, "--size", size],
-                          check=False, capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{workload} / {variant} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mb"]
+    return memory.in_fresh_process(HERE, workload, variant, size)["peak_mb"]
 
 
 def side_by_side(workload: str, size: str, repeat: int):

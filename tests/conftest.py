@@ -70,6 +70,27 @@ def assert_all_equal(actual, expected):
         torch.testing.assert_close(a, e, rtol=0, atol=0, equal_nan=True)
 
 
+def leaves_and_flops(run, ops) -> tuple:
+    """``run()``'s tensor leaves and the FLOPs of the operations named in ``ops`` ("aten.mm", ...) that ran.
+
+    torch's FLOP counter's dispatch mode, without its module tracker, entered below
+    whatever ``run`` pushes: an output a save policy hands back is not counted.
+    """
+    from torch.utils import flop_counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counter = flop_counter.FlopCounterMode(display=False)
+    mode = flop_counter._FlopCounterMode(counter)
+    TorchDispatchMode.__enter__(mode)
+    try:
+        result = run()
+    finally:
+        TorchDispatchMode.__exit__(mode, None, None, None)
+    counts = counter.get_flop_counts().get("Global", {})
+    leaves = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+    return leaves, sum(n for op, n in counts.items() if str(op) in ops)
+
+
 def per_sample_grads_refusal() -> str:
     """The rule the table gives vmap(grad(...)) over a non-reentrant checkpoint on this torch.
 

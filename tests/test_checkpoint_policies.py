@@ -20,6 +20,7 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vjp, vmap
 
 import ckpt_guard
+from conftest import leaves_and_flops
 from ckpt_guard._composable import counters
 
 HAS_POLICIES = hasattr(tuc, "create_selective_checkpoint_contexts")  # torch 2.5+
@@ -72,22 +73,6 @@ STEPS = {
 }
 
 
-def _flops(run, ops):
-    from torch.utils import flop_counter
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counter = flop_counter.FlopCounterMode(display=False)
-    mode = flop_counter._FlopCounterMode(counter)
-    TorchDispatchMode.__enter__(mode)
-    try:
-        result = run()
-    finally:
-        TorchDispatchMode.__exit__(mode, None, None, None)
-    counts = counter.get_flop_counts().get("Global", {})
-    leaves = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
-    return leaves, sum(n for op, n in counts.items() if str(op) in ops)
-
-
 def _runs(step, *context_fns, **block):
     """(leaves, matmul FLOPs) for: no checkpoint, then each context_fn (None: no policy)."""
     torch.manual_seed(0)
@@ -97,7 +82,7 @@ def _runs(step, *context_fns, **block):
     runs = []
     for context_fn in ("reference", *context_fns):
         model.context_fn = None if context_fn == "reference" else context_fn or tuc.noop_context_fn
-        runs.append(_flops(lambda: STEPS[step](model, params, x), {"aten.mm", "aten.addmm"}))
+        runs.append(leaves_and_flops(lambda: STEPS[step](model, params, x), {"aten.mm", "aten.addmm"}))
     return runs
 
 
@@ -367,9 +352,17 @@ def test_a_policy_error_under_the_matmul_operator_is_not_turned_into_an_operand_
         grad(lambda w: ckpt_guard.checkpoint(block, torch.ones(2, 4, dtype=DTYPE), w, context_fn=context_fn).sum())(w)
 
 
+def _named_grad_report(block, x, w, *names):
+    """``saved_residuals`` of grad over ``w`` of ``block(x, w)`` (summed), checkpointed with a policy saving
+    ``names``; its gradient checked against the uncheckpointed one."""
+    context_fn = _policies().context_fn(_policies().save_only_these_names(*names))
+    report = ckpt_guard.saved_residuals(grad(lambda w: ckpt_guard.checkpoint(block, x, w, context_fn=context_fn).sum()), w)
+    torch.testing.assert_close(report.result, grad(lambda w: block(x, w).sum())(w))
+    return report
+
+
 @needs_policies
 def test_a_saved_value_written_in_place_after_it_was_named_is_reported_not_kept():
-    cp = _policies()
     w = torch.randn(4, 4, dtype=DTYPE)
 
     def block(x, w):
@@ -377,10 +370,7 @@ def test_a_saved_value_written_in_place_after_it_was_named_is_reported_not_kept(
         h.mul_(2)
         return torch.tanh(h)
 
-    x = torch.randn(3, 4, dtype=DTYPE)
-    context_fn = cp.context_fn(cp.save_only_these_names("h"))
-    report = ckpt_guard.saved_residuals(grad(lambda w: ckpt_guard.checkpoint(block, x, w, context_fn=context_fn).sum()), w)
-    torch.testing.assert_close(report.result, grad(lambda w: block(x, w).sum())(w))
+    report = _named_grad_report(block, torch.randn(3, 4, dtype=DTYPE), w, "h")
     [entry] = report.blocks
     assert report.saved_bytes == 0 and entry.kept == []
     assert entry.values[0].dropped.startswith("aten.mul_.Tensor wrote into it")
@@ -404,7 +394,6 @@ def test_context_fn_takes_a_list_of_operations_and_names_a_policy_given_as_conte
 
 @needs_policies
 def test_names_on_a_pytree_name_each_tensor_and_a_non_tensor_is_reported():
-    cp = _policies()
     w = torch.randn(4, 4, dtype=DTYPE)
 
     def block(x, w):
@@ -412,10 +401,7 @@ def test_names_on_a_pytree_name_each_tensor_and_a_non_tensor_is_reported():
         ckpt_guard.checkpoint_name(3, "three")
         return torch.tanh(a).sum() + torch.tanh(b).sum()
 
-    x = torch.randn(4, 4, dtype=DTYPE)
-    context_fn = cp.context_fn(cp.save_only_these_names("pair", "three"))
-    report = ckpt_guard.saved_residuals(grad(lambda w: ckpt_guard.checkpoint(block, x, w, context_fn=context_fn)), w)
-    torch.testing.assert_close(report.result, grad(lambda w: block(x, w))(w))
+    report = _named_grad_report(block, torch.randn(4, 4, dtype=DTYPE), w, "pair", "three")
     [entry] = report.blocks
     assert [v.op for v in entry.kept] == ["aten.mm.default", "aten.mm.default"]
     assert "not a tensor" in entry.names["three"][1]

@@ -25,6 +25,7 @@ from torch import nn
 from torch.func import functional_call, grad, hessian, jacrev, jvp, stack_module_state, vjp, vmap
 
 import ckpt_guard
+from conftest import leaves_and_flops
 from ckpt_guard._composable import counters
 from ckpt_guard._composable.saving import PolicyError
 
@@ -121,20 +122,7 @@ def _with(model, params):
 
 def _matmul_flops(run):
     """``run()``'s leaves and the matmul FLOPs that ran (FLOP counter's dispatch mode, without its module tracker)."""
-    from torch.utils import flop_counter
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counter = flop_counter.FlopCounterMode(display=False)
-    mode = flop_counter._FlopCounterMode(counter)
-    TorchDispatchMode.__enter__(mode)
-    try:
-        result = run()
-    finally:
-        TorchDispatchMode.__exit__(mode, None, None, None)
-    counts = counter.get_flop_counts().get("Global", {})
-    names = {str(op.overloadpacket) for op in MATMULS}
-    leaves = [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
-    return leaves, sum(n for op, n in counts.items() if str(op) in names)
+    return leaves_and_flops(run, {str(op.overloadpacket) for op in MATMULS})
 
 
 def _three_runs(step, ckpt_with_policy, **block):
