@@ -60,7 +60,9 @@ the Function saves only the inputs (the memory saving).  So:
   pullback runs with grad mode on, below the node's own level, so it takes the
   backward formulas the plain code takes (silu's and group_norm's plain
   kernels have no forward-mode formula) without keeping a graph;
-* ``jvp`` recomputes the block under a jvp of its own, in the call's grad mode,
+* ``jvp`` hands on the tangents the plain run computed, where that jvp level was on top
+  or right under the grad levels on top (``jvp(grad)``, ``hessian``, a MeanFlow loss);
+  otherwise it recomputes the block under a jvp of its own, in the call's grad mode,
   with the inputs that required grad requiring grad (kernels are chosen by it);
   where the tangents will be differentiated again (a MeanFlow loss's
   ``.backward()``) that too is checkpointed;

@@ -14,6 +14,11 @@ import collections
 #: means the block's activations were not kept by the forward.
 RECOMPUTES = 0
 NESTED_RECOMPUTES = 0
+#: Recomputes a block's jvp rule ran (the tangents of its outputs computed again): none where
+#: the plain run's own tangents were handed on (``Plan.keep_tangents``: ``jvp(grad)``,
+#: ``hessian``, a MeanFlow loss); the tests read it.  (A derivative's jvp rule, the tangents
+#: of a backward eager autograd may differentiate again, is not counted: it always recomputes.)
+TANGENT_RECOMPUTES = 0
 #: Calls packed into the recompute (their plain run's activations dropped) so far
 PACKED = 0
 

@@ -44,6 +44,8 @@ class _Derivative:
         self.base, self.kind, self.wanted, self.present = base, kind, wanted, list(present)
         self.output_kept: List[bool] = []
         self.n_inputs = sys.maxsize  # all its operands are inputs: it computes its outputs
+        #: (jvp level, tangents) of its outputs, computed where it ran at the caller's levels, until used
+        self.tangents: Optional[tuple] = None
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
@@ -56,8 +58,41 @@ class _Derivative:
             cotangents = tuple(next(given) if p else torch.zeros_like(o) for p, o in zip(self.present, outputs))
             return tuple(pullback(cotangents))
 
+    def run_for_tangents(self, operands: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        """Where a jvp level will differentiate this derivative (``jvp(grad)`` with parameters eager
+        autograd may differentiate too): run it here, at the caller's levels, once.
+
+        Its outputs then carry that jvp's tangents (``levels.tangents_computed``), kept for the
+        jvp rule to hand on; the outputs, cut from their graph, are returned to be handed to
+        the Function as precomputed (its forward returns them).  Otherwise nothing is run, and
+        ``()`` is returned: the Function's forward computes the derivative below the levels.
+        """
+        if _levels.jvp_under_grad_levels() is None:
+            return ()
+        counters.NESTED_RECOMPUTES += 1
+        # in the call's grad mode, as the jvp rule would run it: the pullback under the jvp then takes
+        # the backward formulas the plain code takes (silu's plain kernel has no forward-mode formula);
+        # what eager autograd records goes with the outputs, cut below
+        with torch.set_grad_enabled(_root(self).grad_mode):
+            outputs = self._function(operands)
+        kept = [_differentiable_dtype(o) for o in outputs]
+        self.tangents = _levels.tangents_computed([o for o, k in zip(outputs, kept) if k])
+        if self.tangents is None:
+            return ()  # an output the duals do not reach: recomputed under the jvp, as before
+        self.output_kept = kept
+        self.n_inputs = len(operands)
+        passed = {id(t) for t in operands}
+        return tuple(o.clone().detach() if id(o) in passed else o.detach() for o in outputs)
+
+    def take_tangents(self, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
+        """The tangents :meth:`run_for_tangents` kept, for the jvp rule of ``level``, once."""
+        kept, self.tangents = self.tangents, None
+        if kept is None or kept[0] != level:
+            return None
+        return kept[1]
+
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        if self.n_inputs < len(tensors):  # the plain run's tangents, handed in (see _Recompute.jvp)
+        if self.n_inputs < len(tensors):  # the plain run's tangents, or outputs, handed in (see run_for_tangents)
             outputs = tuple(t.detach() for t in tensors[self.n_inputs:])
             self.output_kept = [_differentiable_dtype(o) for o in outputs]
             return outputs
@@ -347,7 +382,8 @@ class _Recompute(torch.autograd.Function):
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
         if _differentiated_again(tensors, cotangents, saved_require_grad=getattr(plan, "eager_requires_grad", None)):
             derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
-            grads = _levels.apply(derivative, *tensors, *(c for c in cotangents if c is not None))
+            operands = (*tensors, *(c for c in cotangents if c is not None))
+            grads = _levels.apply(derivative, *operands, *derivative.run_for_tangents(operands))
         else:  # nothing differentiates this again: no graph kept, the least memory
             # ... except under forward mode (jvp(grad), hessian), which differentiates the pullback as
             # it runs: it must take the backward formulas the plain code takes, which autograd picks
@@ -393,8 +429,12 @@ class _Recompute(torch.autograd.Function):
             tangents = tuple(None if t is None else _unwrap_for_grad(t, own) for t in tangents)
         directions = tuple(tangents[i] for i in wanted)
         # the plain run computed these tangents already, where this jvp was on top (a MeanFlow loss,
-        # jacfwd): handed on, not recomputed (the recompute's graph would double the block's peak)
-        precomputed = plan.take_tangents(own) if isinstance(plan, Plan) else None
+        # jacfwd) or right under the grad levels on top (jvp(grad), hessian): handed on, not
+        # recomputed (a recompute under the jvp costs time, and its graph would double the peak)
+        precomputed = None
+        if isinstance(plan, (Plan, _Derivative)):
+            precomputed = plan.take_tangents(own)
+            counters.TANGENT_RECOMPUTES += precomputed is None
         if _differentiated_again(tensors, directions, own):
             derivative = _Derivative(plan, "jvp", wanted, ())
             if precomputed is not None:

@@ -46,7 +46,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch._C._functorch as _functorch_c
 from torch._C._functorch import _add_batch_dim, _remove_batch_dim, _unwrap_batched, _unwrap_for_grad, _wrap_for_grad
+from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 from torch._C._functorch import peek_interpreter_stack as _peek_interpreter_stack
+from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack as _temporarily_pop_interpreter_stack
 from torch._functorch import eager_transforms as _eager
 from torch._functorch import vmap as _torch_vmap
 from torch._functorch.autograd_function import VmapInfo as _VmapInfo
@@ -55,6 +57,7 @@ from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch.autograd.function import _SingleLevelFunction
 
 from .basics import GRAD_KEY as _GRAD, JVP_KEY as _JVP, RANDOMNESS_NAMES, VMAP_KEY as _VMAP
+from .. import _state
 
 Tensor = torch.Tensor
 
@@ -305,3 +308,44 @@ def _batched_at(t: Tensor, level: int) -> bool:
             return True
         t = _functorch_c.get_unwrapped(t)
     return False
+
+
+def jvp_under_grad_levels() -> Optional[Tuple[int, List[int]]]:
+    """``(jvp level, grad levels above it, top first)`` where the top levels are grad levels
+    (or none) over a jvp level; else None (a vmap on top, no jvp, eager)."""
+    stack = _get_interpreter_stack() or ()
+    above = len(stack)
+    while above and stack[above - 1].key().value == _GRAD:
+        above -= 1
+    if not above or stack[above - 1].key().value != _JVP:
+        return None
+    return stack[above - 1].level(), [interpreter.level() for interpreter in reversed(stack[above:])]
+
+
+def tangents_computed(outputs: Sequence[Tensor]) -> Optional[Tuple[int, Tuple[Tensor, ...]]]:
+    """``(jvp level, tangents)`` of ``outputs`` computed at the caller's levels, or None.
+
+    Where a jvp level is on top, or right under the grad levels on top
+    (``jvp(grad)``, hessian's ``jacfwd(jacrev)``), a run at these levels went
+    through it, so its outputs carry that jvp's tangents under their grad
+    wrappers: the Function's jvp rule of that level can hand them on instead of
+    running the block again under a jvp.  Cut from their graph.  None where no
+    such jvp level is alive (a vmap on top), or an output carries no tangent
+    (one the duals do not reach: the recompute makes its zero tangent).
+    """
+    found = jvp_under_grad_levels()
+    if found is None:
+        return None
+    level, grad_levels = found
+    with contextlib.ExitStack() as popped:
+        for _ in grad_levels:  # the jvp level on top, as for its own unpacking
+            popped.enter_context(_temporarily_pop_interpreter_stack())
+        tangents = []
+        for o in outputs:
+            for grad_level in grad_levels:
+                o = _unwrap_for_grad(o, grad_level)
+            tangent = _state.forward_ad.unpack_dual(o).tangent
+            if tangent is None:
+                return None
+            tangents.append(_unwrap_for_grad(tangent, level).detach())
+    return level, tuple(tangents)

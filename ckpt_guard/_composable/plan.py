@@ -18,17 +18,17 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint as _tuc
-from torch._C._functorch import _unwrap_for_grad
 from torch._C._functorch import current_level as _current_level
 
 from . import proof as _proof
 from . import binding as _rebind
 from . import counters
+from . import levels as _levels
 from . import residuals as _residuals
 from . import saving as _saving
 from .. import _state
 from .basics import (
-    JVP_KEY, SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
+    SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
 )
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
@@ -325,22 +325,12 @@ class Plan:
         return output
 
     def keep_tangents(self, output: Any) -> None:
-        """Where the top level is a jvp: the plain run's output tangents, cut from its graph, for
-        the Function's jvp rule of that level to hand on (see :meth:`take_tangents`)."""
-        self.tangents = None
-        top = _state.peek_interpreter_stack()
-        if top is None or top.key().value != JVP_KEY:
-            return
-        level = top.level()
-        tangents = []
-        for o, kept in zip(_output_tensors(output), self.output_kept):
-            if not kept:
-                continue
-            tangent = _state.forward_ad.unpack_dual(o).tangent
-            if tangent is None:
-                return  # an output the duals do not reach: the recompute makes its zero tangent
-            tangents.append(_unwrap_for_grad(tangent, level).detach())
-        self.tangents = (level, tuple(tangents))
+        """The plain run's output tangents, where a jvp level computed them (``levels.tangents_computed``:
+        a jvp on top, or right under the grad levels on top), for the Function's jvp rule of that
+        level to hand on (see :meth:`take_tangents`)."""
+        self.tangents = _levels.tangents_computed(
+            [o for o, kept in zip(_output_tensors(output), self.output_kept) if kept]
+        )
 
     def take_tangents(self, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
         """The plain run's tangents for the jvp rule of ``level``, once (a later call recomputes)."""

@@ -1,0 +1,83 @@
+"""Forward over reverse (``jvp(grad)``, ``hessian``): each block's tangents are the plain run's, handed on.
+
+Under ``jvp(grad(loss))`` a checkpointed block's plain run goes through the grad level
+on top and the jvp level under it, so its outputs carry that jvp's tangents: exactly
+the uncheckpointed code's.  The Function's jvp rule hands them on instead of running
+the block again under a jvp of its own, so a Hessian-vector product runs each block
+twice (the plain run, the backward's recompute), not three times.
+
+The cross: every module kind of the conformance matrix × the transforms whose plain
+run has grad levels over a jvp, each cell compared with the plain code by the
+matrix's own comparison, and no block's jvp rule recomputing; then the stacks the
+matrix does not have (two grad levels over the jvp, a vmap between them, a vmap
+over it), against the uncheckpointed code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, jacfwd, jvp, vmap
+
+import ckpt_guard
+import conformance as matrix
+from ckpt_guard import _composable
+
+#: the matrix's transforms whose plain run has a grad level over a jvp level
+GRAD_OVER_JVP = ("jvp(grad)", "hessian")
+ENTRY = "ckpt_guard.checkpoint, strict"
+
+
+@pytest.mark.parametrize("transform", GRAD_OVER_JVP)
+@pytest.mark.parametrize("kind", list(matrix.KINDS))
+def test_every_kind_hands_on_the_plain_runs_tangents(kind, transform):
+    counters = _composable.counters
+    before = counters.TANGENT_RECOMPUTES, counters.RECOMPUTES
+    outcome = matrix.run_cell(matrix.Cell(kind, transform, "functional_call", ENTRY))
+    if outcome.verdict == "n/a":
+        pytest.skip(f"not a cell of the matrix: {outcome.detail}")
+    assert outcome.verdict == "checkpointed", outcome
+    assert counters.RECOMPUTES > before[1]  # the backward recomputed the blocks: the memory saving is kept
+    assert counters.TANGENT_RECOMPUTES == before[0], "a block's jvp rule ran it again instead of handing on"
+
+
+def _net() -> torch.nn.ModuleList:
+    torch.manual_seed(0)
+    return torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.Dropout(0.2), torch.nn.Linear(4, 4))
+        for _ in range(3)
+    ).double()
+
+
+def _loss(net: torch.nn.ModuleList, checkpointed: bool):
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(1)  # the same dropout masks for both programs
+        h = x
+        for block in net:
+            h = ckpt_guard.checkpoint(block, h) if checkpointed else block(h)
+        return h.tanh().pow(2).sum()
+
+    return loss
+
+
+X = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64).reshape(2, 4)
+V = torch.linspace(0.5, -0.3, 8, dtype=torch.float64).reshape(2, 4)
+
+#: stacks the matrix does not have; each runs ``loss`` (checkpointed or not) and returns numbers
+STACKS = {
+    "jvp(grad(norm of grad))": lambda loss: jvp(lambda t: grad(lambda u: grad(loss)(u).pow(2).sum())(t), (X,), (V,)),
+    "jvp(vmap(grad))": lambda loss: jvp(vmap(grad(loss), randomness="same"), (X.unsqueeze(1),), (V.unsqueeze(1),)),
+    "vmap(jvp(grad))": lambda loss: vmap(lambda t, s: jvp(grad(loss), (t,), (s,)), randomness="same")(X, V),
+    "jacfwd(grad)": lambda loss: jacfwd(grad(loss), randomness="same")(X),
+}
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_other_stacks_over_a_jvp_equal_the_plain_code(stack):
+    net = _net()
+    counters = _composable.counters
+    with ckpt_guard.policy("strict"):
+        before = counters.RECOMPUTES
+        got = STACKS[stack](_loss(net, checkpointed=True))
+        assert counters.RECOMPUTES > before
+    torch.testing.assert_close(got, STACKS[stack](_loss(net, checkpointed=False)))
