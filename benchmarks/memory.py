@@ -39,7 +39,10 @@ and ``vjp(grad)``; ``hessian``; a MAML meta-training step (functorch's
 example: ``functional_call``, inner ``autograd.grad(create_graph=True)``, outer
 ``.backward()``); a MeanFlow / consistency-model loss (``u, dudt =
 torch.func.jvp(net, (z, t), (v, 1))``, target from ``dudt.detach()``) with eager
-``.backward()`` and under ``torch.func.grad``; per-sample gradients of a
+``.backward()`` and under ``torch.func.grad``; a pre-LayerNorm transformer written
+by hand under ``grad``, ``vmap(grad)`` and ``jvp(grad)``, with the save policies of
+``benchmarks/policies.py`` as variants (``save matmuls``, ``save named``: torch
+2.5+; that script also draws ``docs/policies.png``); per-sample gradients of a
 random-weight GPT-2 (with transformers installed).
 
 The table's times are one step per variant, each in its own process: on a
@@ -431,6 +434,22 @@ def _gpt2_per_sample(torch, size, variant):
 
 #: ckpt_guard.checkpoint with a save policy keeping the matmuls (torch 2.5+: selective checkpointing's API)
 SAVE_MATMULS = "save matmuls"
+SAVE_NAMED = "save named"
+
+
+def _transformer(how):
+    """``benchmarks/policies.py``'s transformer (its model, data, names and policies) under ``how``.
+
+    Its sizes are ``quick`` and ``medium`` (``full`` runs ``medium``); its variants map to this
+    script's: ``ckpt_guard.checkpoint`` is its ``save nothing`` (recompute everything).
+    """
+    def setup(torch, size, variant):
+        import policies  # beside this script (it imports this one: here, not at the top)
+
+        shown = {"ckpt_guard.checkpoint": "save nothing"}.get(variant, variant)
+        return policies.setup(torch, "quick" if size == "quick" else "medium", how, shown)
+
+    return setup
 
 
 def _selective_checkpointing() -> bool:
@@ -444,6 +463,7 @@ def _selective_checkpointing() -> bool:
 ALL = ("no checkpoint", "ckpt_guard.checkpoint", "fallback", "eager checkpoint")
 MLP_VARIANTS = (*ALL, SAVE_MATMULS) if _selective_checkpointing() else ALL
 PAIR = ("no checkpoint", "ckpt_guard.checkpoint")
+POLICY_VARIANTS = (*PAIR, SAVE_MATMULS, SAVE_NAMED) if _selective_checkpointing() else PAIR
 WORKLOADS: Dict[str, tuple] = {
     "mlp grad": (_mlp_grad, MLP_VARIANTS, 0.5),
     "mlp vmap(grad) per-sample": (_mlp_per_sample, MLP_VARIANTS, 0.5),
@@ -457,6 +477,9 @@ WORKLOADS: Dict[str, tuple] = {
     "maml outer step": (_maml, PAIR, 0.5),
     "meanflow jvp .backward()": (_meanflow(".backward()"), PAIR, 0.5),
     "meanflow jvp grad": (_meanflow("grad"), PAIR, 0.5),
+    "transformer grad": (_transformer("grad"), POLICY_VARIANTS, 0.5),
+    "transformer vmap(grad) per-sample": (_transformer("vmap(grad)"), POLICY_VARIANTS, 0.5),
+    "transformer jvp(grad)": (_transformer("jvp(grad)"), POLICY_VARIANTS, 0.5),
     "gpt2 vmap(grad) per-sample": (_gpt2_per_sample, ("no checkpoint", "fallback", "eager checkpoint"), 1.0),
 }
 
