@@ -81,3 +81,38 @@ def test_other_stacks_over_a_jvp_equal_the_plain_code(stack):
         got = STACKS[stack](_loss(net, checkpointed=True))
         assert counters.RECOMPUTES > before
     torch.testing.assert_close(got, STACKS[stack](_loss(net, checkpointed=False)))
+
+
+def test_a_hessian_vector_product_differentiated_again_by_eager_autograd():
+    """Parameters that require grad outside the transforms: each block's backward may be differentiated
+    again by eager autograd, so it is a checkpointed derivative of its own, run once at the caller's
+    levels for the jvp's tangents; the ``.backward()`` over the product then differentiates that."""
+    net = _net()
+    x = X.clone().requires_grad_()
+    params = dict(net.named_parameters())
+    direction = {name: torch.linspace(-0.5, 0.5, p.numel(), dtype=p.dtype).reshape(p.shape) for name, p in params.items()}
+
+    def run(checkpointed):
+        for leaf in (x, *params.values()):
+            leaf.grad = None
+
+        def loss(p):
+            torch.manual_seed(1)
+            h = x
+            for i, block in enumerate(net):
+                own = {k.split(".", 1)[1]: t for k, t in p.items() if k.startswith(f"{i}.")}
+                call = (torch.func.functional_call, block, own, (h,))
+                h = ckpt_guard.checkpoint(*call) if checkpointed else call[0](*call[1:])
+            return h.tanh().pow(2).sum()
+
+        gradient, product = jvp(grad(loss), (params,), (direction,))
+        (sum(t.pow(2).sum() for t in product.values()) + sum(t.sum() for t in gradient.values())).backward()
+        return [product[k].detach() for k in product], [x.grad, *(p.grad for p in params.values())]
+
+    counters = _composable.counters
+    with ckpt_guard.policy("strict"):
+        before = counters.TANGENT_RECOMPUTES, counters.NESTED_RECOMPUTES
+        got = run(checkpointed=True)
+        assert counters.NESTED_RECOMPUTES > before[1]  # the backward was a checkpointed derivative
+        assert counters.TANGENT_RECOMPUTES == before[0]  # its tangents were handed on
+    torch.testing.assert_close(got, run(checkpointed=False))
