@@ -116,3 +116,37 @@ def test_a_hessian_vector_product_differentiated_again_by_eager_autograd():
         assert counters.NESTED_RECOMPUTES > before[1]  # the backward was a checkpointed derivative
         assert counters.TANGENT_RECOMPUTES == before[0]  # its tangents were handed on
     torch.testing.assert_close(got, run(checkpointed=False))
+
+
+def test_a_block_the_tangents_never_reach_runs_no_more_than_twice():
+    """An additive loss of two branches, jvp along the first's parameters only, parameters requiring
+    grad outside: the second branch's backward is run once at the caller's levels, finds no tangent,
+    and is still handed on (its tangents are recomputed, not the whole derivative a third time)."""
+    runs = {"a": 0, "b": 0}
+
+    class Counted(torch.nn.Sequential):
+        def __init__(self, tag):
+            super().__init__(torch.nn.Linear(4, 4), torch.nn.SiLU(), torch.nn.Linear(4, 4))
+            self.tag = tag
+
+        def forward(self, x):
+            runs[self.tag] += 1
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    a, b = Counted("a").double(), Counted("b").double()
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    direction = {k: torch.ones_like(v) for k, v in pa.items()}
+
+    def loss(qa, qb, checkpointed):
+        call = ckpt_guard.checkpoint if checkpointed else (lambda f, *rest: f(*rest))
+        return (call(torch.func.functional_call, a, qa, (X,)).tanh().pow(2).sum()
+                + call(torch.func.functional_call, b, qb, (V,)).tanh().pow(2).sum())
+
+    def step(checkpointed):
+        return jvp(lambda qa: grad(loss, argnums=(0, 1))(qa, pb, checkpointed), (pa,), (direction,))
+
+    with ckpt_guard.policy("strict"):
+        got = step(True)
+    assert runs == {"a": 2, "b": 2}, runs  # the plain run, then the backward's once (3 for b before)
+    torch.testing.assert_close(got, step(False))

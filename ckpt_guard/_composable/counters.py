@@ -16,8 +16,8 @@ RECOMPUTES = 0
 NESTED_RECOMPUTES = 0
 #: Recomputes a block's jvp rule ran (the tangents of its outputs computed again): none where
 #: the plain run's own tangents were handed on (``Plan.keep_tangents``: ``jvp(grad)``,
-#: ``hessian``, a MeanFlow loss); the tests read it.  (A derivative's jvp rule, the tangents
-#: of a backward eager autograd may differentiate again, is not counted: it always recomputes.)
+#: ``hessian``, a MeanFlow loss; a derivative run at the caller's levels,
+#: ``_Derivative.run_for_tangents``); the tests read it
 TANGENT_RECOMPUTES = 0
 #: Calls packed into the recompute (their plain run's activations dropped) so far
 PACKED = 0

@@ -2,7 +2,8 @@
 
 ``_Recompute``'s ``forward`` hands on the plain run's outputs; ``backward`` recomputes
 the block and takes its vjp, itself a checkpointed recompute (:class:`_Derivative`)
-where something will differentiate it again; ``jvp`` recomputes under a jvp of its own;
+where something will differentiate it again; ``jvp`` hands on the tangents the plain run
+(or a derivative run at the caller's levels) computed, else recomputes under a jvp of its own;
 ``vmap`` batches the checkpoint (:class:`_Batched`) instead of unrolling it.  Applied
 level by level by ``levels.apply``.  Owns: those rules, reading which functorch levels
 are alive, the global module hooks a recompute runs under.  May not touch: planning
@@ -63,9 +64,10 @@ class _Derivative:
         autograd may differentiate too): run it here, at the caller's levels, once.
 
         Its outputs then carry that jvp's tangents (``levels.tangents_computed``), kept for the
-        jvp rule to hand on; the outputs, cut from their graph, are returned to be handed to
-        the Function as precomputed (its forward returns them).  Otherwise nothing is run, and
-        ``()`` is returned: the Function's forward computes the derivative below the levels.
+        jvp rule to hand on (where one output carries none, the jvp rule recomputes them); the
+        outputs, cut from their graph, are returned to be handed to the Function as precomputed
+        (its forward returns them).  Where no such jvp level is alive nothing is run, and ``()``
+        is returned: the Function's forward computes the derivative below the levels.
         """
         if _levels.jvp_under_grad_levels() is None:
             return ()
@@ -76,9 +78,9 @@ class _Derivative:
         with torch.set_grad_enabled(_root(self).grad_mode):
             outputs = self._function(operands)
         kept = [_differentiable_dtype(o) for o in outputs]
+        # None where an output carries no tangent (one the duals do not reach): the jvp rule then
+        # recomputes the tangents, but the outputs computed here are still handed on (no third run)
         self.tangents = _levels.tangents_computed([o for o, k in zip(outputs, kept) if k])
-        if self.tangents is None:
-            return ()  # an output the duals do not reach: recomputed under the jvp, as before
         self.output_kept = kept
         self.n_inputs = len(operands)
         passed = {id(t) for t in operands}

@@ -138,7 +138,7 @@ class Plan:
         self.n_inputs = len(self.inputs)
         #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
         self.refusal: Optional[str] = None
-        #: (jvp level, tangents): the plain run's output tangents at the top jvp level, until used
+        #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until used
         self.tangents: Optional[tuple] = None
         #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
         self.unpacked: Optional[str] = None
