@@ -71,6 +71,8 @@ class _Derivative:
         """
         if _levels.jvp_under_grad_levels() is None:
             return ()
+        if any(_levels._without_dead_wrappers(t) is not t for t in operands):
+            return ()  # a pullback called after its vjp returned: the Function's forward unwraps them
         counters.NESTED_RECOMPUTES += 1
         # in the call's grad mode, as the jvp rule would run it: the pullback under the jvp then takes
         # the backward formulas the plain code takes (silu's plain kernel has no forward-mode formula);
