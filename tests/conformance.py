@@ -212,6 +212,12 @@ def _grad_mode_branch(b, h):
     return torch.tanh(b(h)) if torch.is_grad_enabled() else torch.sin(b(h))
 
 
+def _requires_grad_branch(b, h):
+    # nn.MultiheadAttention's fast-path test in miniature: another computation where the input
+    # does not require grad (under a jvp level alone a tensor reads requires_grad=False)
+    return torch.tanh(b(h)) if h.requires_grad else torch.sin(b(h))
+
+
 def _embedding_body(max_norm=None):
     body = nn.Module()
     body.emb = nn.Embedding(5, D, max_norm=max_norm)
@@ -262,6 +268,7 @@ KINDS: Dict[str, Kind] = {
     "appends to a list it holds": Kind(lambda: Block(_Logging(), _counting)),
     "numpy timestep set before each call": Kind(lambda: Block(_Timestep(), _counting)),
     "branches on grad mode": Kind(lambda: Block(nn.Linear(D, D), _grad_mode_branch)),
+    "branches on requires_grad": Kind(lambda: Block(nn.Linear(D, D), _requires_grad_branch)),
 }
 
 
@@ -278,7 +285,7 @@ def _call_with_parameters(block, names, h, *tensors):
 
 
 def _checkpointed(ckpt: Callable[..., Any], block: nn.Module, access: str, h: torch.Tensor) -> torch.Tensor:
-    if access in ("module", "functional_call"):
+    if access in ("module", "functional_call", UNDER_NO_GRAD):
         return ckpt(block, h)
     if access == "closure":
         return ckpt(lambda t: block(t), h)
@@ -291,7 +298,10 @@ def _checkpointed(ckpt: Callable[..., Any], block: nn.Module, access: str, h: to
     raise ValueError(access)
 
 
-ACCESS = ("functional_call", "module", "closure", "module as argument", "argument")
+#: the first block called under ``torch.no_grad()``, its output added to its input (a constant to
+#: every level of every transform: ``GradInterpreter.lower`` passes the mode down), the second as usual
+UNDER_NO_GRAD = "first block under no_grad"
+ACCESS = ("functional_call", "module", "closure", "module as argument", "argument", UNDER_NO_GRAD)
 
 
 def _nr(function, *args):
@@ -407,15 +417,23 @@ class Net(nn.Module):
             def pair(t):
                 for i, block in enumerate(self.blocks):
                     self._set_timestep(block, i)
-                    t = _checkpointed(ckpt_guard.checkpoint, self._block_fn(block), self.access, t)
+                    t = self._through(ckpt_guard.checkpoint, i, block, t)
                 return t
             return ckpt_guard.checkpoint(pair, h)
         if ckpt == "recursive":
             return ckpt_guard.checkpoint(self._recursive, h, len(self.blocks))
         for i, block in enumerate(self.blocks):
             self._set_timestep(block, i)
-            h = _checkpointed(ckpt, self._block_fn(block), self.access, h)
+            h = self._through(ckpt, i, block, h)
         return h
+
+    def _through(self, ckpt: Any, i: int, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """Block ``i`` on ``h``, checkpointed by ``ckpt`` the cell's way in."""
+        if self.access == UNDER_NO_GRAD and i == 0:
+            with torch.no_grad():
+                constant = _checkpointed(ckpt, self._block_fn(block), self.access, h)
+            return h + constant
+        return _checkpointed(ckpt, self._block_fn(block), self.access, h)
 
     @staticmethod
     def _set_timestep(block: nn.Module, i: int) -> None:
@@ -429,7 +447,7 @@ class Net(nn.Module):
         """A block that checkpoints the rest of the model inside itself (``ck(block, h, n - 1)``)."""
         block = self.blocks[len(self.blocks) - n]
         self._set_timestep(block, len(self.blocks) - n)
-        h = _checkpointed(_plain, self._block_fn(block), self.access, h)
+        h = self._through(_plain, len(self.blocks) - n, block, h)
         if n > 1:
             h = ckpt_guard.checkpoint(self._recursive, h, n - 1)
         return h
@@ -538,8 +556,8 @@ def _eager_leaves(pr) -> List[torch.Tensor]:
     return list(pr.params.values()) if pr.params else [p for p in pr.net.parameters()]
 
 
-def _backward_grads(pr, total) -> List[torch.Tensor]:
-    leaves = _eager_leaves(pr)
+def _backward_grads(pr, total, extra: Tuple[torch.Tensor, ...] = ()) -> List[torch.Tensor]:
+    leaves = [*_eager_leaves(pr), *extra]
     total.backward()
     return [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
 
@@ -548,6 +566,15 @@ def _t_jvp_backward(pr):
     # a MeanFlow loss: the value and its tangent, then an eager backward
     out, tangent = jvp(lambda x: pr.vector(pr.params, pr.buffers, x), (pr.x,), (pr.v,))
     return [out, tangent, *_backward_grads(pr, out.sum() + tangent.pow(2).sum())]
+
+
+def _t_jvp_grad_backward(pr):
+    # a Hessian-vector product, then an eager backward into the parameters and the input (a
+    # curvature penalty): the derivative of forward over reverse differentiated by eager autograd
+    x = pr.x.detach().requires_grad_()
+    g, hvp = jvp(lambda u: grad(pr.loss, argnums=2)(pr.params, pr.buffers, u), (x,), (pr.v,))
+    grads = _backward_grads(pr, hvp.pow(2).sum() + (g * hvp).sum(), extra=[x])
+    return [g, hvp, *grads]
 
 
 def _t_vmap_backward(pr):
@@ -590,6 +617,7 @@ TRANSFORMS: Dict[str, Callable[[Program], Any]] = {
     "grad(grad)": _t_grad_grad,
     "linearize": _t_linearize,
     "jvp, then .backward()": _t_jvp_backward,
+    "jvp(grad), then .backward()": _t_jvp_grad_backward,
     "vmap, then .backward()": _t_vmap_backward,
     "MAML": _t_maml,
     "ensemble (stack_module_state)": _t_ensemble,
@@ -827,6 +855,9 @@ def cells() -> List[Cell]:
         for transform in TRANSFORMS:
             for entry in MAIN_ENTRIES:
                 found[Cell(kind, transform, "functional_call", entry)] = None
+    for kind in KINDS:  # every transform over a block called under no_grad (the grad levels' modes)
+        for transform in TRANSFORMS:
+            found[Cell(kind, transform, UNDER_NO_GRAD, "ckpt_guard.checkpoint, strict")] = None
     for kind, transform, access, entry in _pairwise([tuple(KINDS), tuple(TRANSFORMS), ACCESS, tuple(ENTRIES)]):
         found[Cell(kind, transform, access, entry)] = None
     return list(found)
@@ -932,6 +963,9 @@ def main(argv: List[str]) -> int:
     if "--transform" in argv:
         want = argv[argv.index("--transform") + 1]
         selected = [c for c in selected if c.transform == want]
+    if "--access" in argv:
+        want = argv[argv.index("--access") + 1]
+        selected = [c for c in selected if c.access == want]
     counts: Dict[str, int] = {}
     failures = []
     outcomes: Dict[Cell, Outcome] = {}

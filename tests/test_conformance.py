@@ -55,6 +55,9 @@ def test_the_matrix_crosses_every_kind_with_every_transform_for_the_main_entries
     for entry in matrix.MAIN_ENTRIES:
         main = {(c.kind, c.transform) for c in CELLS if c.entry == entry and c.access == "functional_call"}
         assert main == {(k, t) for k in matrix.KINDS for t in matrix.TRANSFORMS}
+    # a block under no_grad: every kind under every transform (grad mode is each level's, read at the call)
+    under = {(c.kind, c.transform) for c in CELLS if c.access == matrix.UNDER_NO_GRAD and c.entry == matrix.MAIN_ENTRIES[0]}
+    assert under == {(k, t) for k in matrix.KINDS for t in matrix.TRANSFORMS}
     for axis, values in (("access", matrix.ACCESS), ("entry", matrix.ENTRIES)):
         assert {getattr(c, axis) for c in CELLS} == set(values)
 

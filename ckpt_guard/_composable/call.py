@@ -133,11 +133,16 @@ def _why_not_packed_held(function: Any, held: _rebind.Holdings) -> Optional[str]
 
 def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) -> bool:
     """Before the block runs: whether reverse mode might differentiate it (a grad level, or eager
-    autograd with a tensor it reads requiring grad).  If not, a plain run keeps nothing to save."""
-    if _state.grad_level_alive():
-        return True
+    autograd with a tensor it reads requiring grad).  If not, a plain run keeps nothing to save.
+
+    Grad mode off (``torch.no_grad()`` inside ``grad(grad(f))``) is off at every level below: a
+    grad level passes the caller's mode down, only ever turning it off (``GradInterpreter.lower``),
+    so no grad level records the block, and nothing can differentiate it later.
+    """
     if not torch.is_grad_enabled():
         return False
+    if _state.grad_level_alive():
+        return True
     tensors = [*held.tensors, *held.arguments, *held.unbindable]
     for module in held.modules:
         tensors += [*module.__dict__["_parameters"].values(), *module.__dict__["_buffers"].values()]
@@ -241,8 +246,14 @@ def _reverse_mode_can_follow(outputs: Sequence[Tensor]) -> bool:
     """Whether reverse mode may differentiate this call's outputs: a grad level, or eager autograd.
 
     Where neither can (``jvp``, ``jacfwd``, ``vmap`` with nothing requiring
-    grad), the plain run kept no activations: it is the result.
+    grad, grad mode off at the call under any transform), the plain run kept no
+    activations: it is the result.  So is it where the caller's grad mode is off
+    and the block turns it on inside (an energy model's inner ``autograd.grad``):
+    a Function applied with grad mode off records nothing, the plain run's graph
+    is the right one (kept whole: not checkpointed).
     """
+    if not torch.is_grad_enabled():
+        return False
     if _state.grad_level_alive():
         return True
     return any(_base(t).requires_grad for t in outputs)

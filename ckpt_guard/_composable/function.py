@@ -17,13 +17,11 @@ import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch._C._functorch import _unwrap_for_grad, _wrap_for_grad, is_batchedtensor, maybe_get_level
+from torch._C._functorch import _unwrap_for_grad, is_batchedtensor, maybe_get_level
 from torch._C._functorch import CGradInterpreterPtr as _CGradInterpreterPtr
 from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 from torch._functorch import pyfunctorch
-from torch._functorch.eager_transforms import enable_inplace_requires_grad as _enable_inplace_requires_grad
 from torch._functorch.eager_transforms import _jvp_with_argnums
-from torch._functorch.eager_transforms import grad_increment_nesting as _grad_increment_nesting
 
 from . import levels as _levels
 from . import counters
@@ -208,9 +206,13 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
 
     Every input is wrapped at the new grad level (as ``torch.func.grad`` wraps
     all its arguments), so a block that updates a buffer in place (BatchNorm's
-    ``num_batches_tracked``) does what it does without checkpointing.
+    ``num_batches_tracked``) does what it does without checkpointing; those that
+    required grad at the call require grad there too, differentiated or not
+    (what the block reads, and the kernels, are then the call's).
     """
-    return _levels.vjp(_recompute_of(plan), tensors, wanted)
+    needs = _root(plan).needs  # the plan's inputs come first (a derivative's cotangents follow)
+    marked = [i for i in range(min(len(needs), len(tensors))) if needs[i] and i not in wanted]
+    return _levels.vjp(_recompute_of(plan), tensors, wanted, marked)
 
 
 def _jvp(
@@ -225,34 +227,21 @@ def _jvp(
     recompute = _recompute_of(plan)
     root = _root(plan)
     grad_mode = root.grad_mode  # the call's: a block may branch on it (nn.TransformerEncoder's fast path)
-    # the inputs that required grad at the call require grad here too (kernels are chosen by it:
-    # an LSTM's fused one has a forward-mode formula that fails under jacfwd), under a throwaway
-    # grad level below the jvp's, whose graph goes when it exits
-    needed = [i for i, need in enumerate(root.needs[: len(tensors)]) if need] if grad_mode else []
+    # (under the jvp every input reads requires_grad=False: the block sees what it saw at the call
+    # through levels.as_the_call_saw, and kernels are chosen by it: an LSTM's fused one has a
+    # forward-mode formula that fails under jacfwd)
 
     def along(*full: Tensor) -> Tuple[Tensor, ...]:
         with torch.set_grad_enabled(grad_mode):
             return recompute(*full)
 
-    with contextlib.ExitStack() as stack:
-        given = list(tensors)
-        level = None
-        if needed:
-            level = stack.enter_context(_grad_increment_nesting())
-            stack.enter_context(torch.enable_grad())
-            given = [_wrap_for_grad(t, level) for t in given]
-            with _enable_inplace_requires_grad(True):
-                for i in needed:
-                    if i not in wanted and _differentiable_dtype(given[i]):
-                        given[i].requires_grad_()
-        # a dual's primal cannot overlap itself (a cotangent of .sum() is an expanded one)
-        for i in wanted:
-            given[i] = _unexpanded(given[i])
-        # every input wrapped at the jvp's level, the wanted ones as duals (as jacfwd wraps its
-        # arguments): a BatchNorm's running statistics are then its own to update, not captured
-        output_tangents = _jvp_with_argnums(along, tuple(given), tuple(directions), tuple(wanted), has_aux=False)[1]
-        if level is not None:
-            output_tangents = tuple(_unwrap_for_grad(t, level) for t in output_tangents)
+    # a dual's primal cannot overlap itself (a cotangent of .sum() is an expanded one)
+    given = list(tensors)
+    for i in wanted:
+        given[i] = _unexpanded(given[i])
+    # every input wrapped at the jvp's level, the wanted ones as duals (as jacfwd wraps its
+    # arguments): a BatchNorm's running statistics are then its own to update, not captured
+    output_tangents = _jvp_with_argnums(along, tuple(given), tuple(directions), tuple(wanted), has_aux=False)[1]
     return tuple(output_tangents)
 
 

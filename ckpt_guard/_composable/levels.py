@@ -218,6 +218,7 @@ def _hooks_back(previous: Any) -> None:
 
 def vjp(
     function: Callable[..., Tuple[Tensor, ...]], tensors: Sequence[Tensor], wanted: Sequence[int],
+    marked: Sequence[int] = (),
 ) -> Tuple[Tuple[Tensor, ...], Callable[[Sequence[Tensor]], Tuple[Tensor, ...]]]:
     """``(outputs, pullback)`` of ``function(*tensors)`` with respect to ``tensors[i]`` for ``i`` in ``wanted``.
 
@@ -226,7 +227,9 @@ def vjp(
     is the level's own to update), the wanted ones requiring grad, the outputs
     unwrapped; the pullback (called after the level has exited, as torch's is)
     takes the cotangents in the outputs' order and returns one gradient per
-    wanted tensor, a zero where the output does not depend on it.
+    wanted tensor, a zero where the output does not depend on it.  ``marked``: more
+    tensors made to require grad at the level, not differentiated (the block read them
+    requiring grad at its call: it sees them so again, see :func:`as_the_call_saw`).
     """
     hooks = _hooks_disabled_message()
     _disable_hooks(_NO_SAVED_TENSOR_HOOKS)
@@ -240,6 +243,8 @@ def vjp(
             _allow_inplace_requires_grad(True)
             try:
                 differentiated = [primals[i].requires_grad_() for i in wanted]
+                for i in marked:
+                    primals[i].requires_grad_()
             finally:
                 _allow_inplace_requires_grad(inplace)
             outputs = tuple(function(*primals))
@@ -258,6 +263,47 @@ def vjp(
             )  # the level has exited: its wrappers are dead, the gradients are the level below's
 
     return results, pullback
+
+
+def as_the_call_saw(
+    run: Callable[[Sequence[Tensor]], Tuple[Tensor, ...]], tensors: Sequence[Tensor],
+    read: Sequence[Tuple[int, bool]], needs: Sequence[bool],
+) -> Tuple[Tensor, ...]:
+    """``run(tensors)``, the block seeing each input's ``requires_grad`` as it did at the call (``needs``).
+
+    A block may branch on it (``if x.requires_grad``; nn.MultiheadAttention's
+    fast-path test), and a recompute's levels are not the call's: its vjp level
+    makes the inputs it differentiates read True, a vmap or jvp level on top
+    makes every input read False, whatever lies below.  Where what the inputs
+    read differs from the call, the block runs under one more grad level on top,
+    whose wrappers require grad exactly where the call's did (a wrapper reads
+    its own level's flag): the block's ops then record there as they did at the
+    call, so what it computes reads as it did too.  Nothing differentiates that
+    level: its graph goes when it exits.  ``read``: ``(index, requires_grad at the
+    call)`` of the inputs the block read (a module's parameters a ``functional_call``
+    swapped out are lifted, never read).  Usually what they read is the same
+    (``grad``, ``vmap(grad)``: :func:`vjp` marks what the call saw requiring grad): one
+    flag read per input, nothing more.
+    """
+    for i, need in read:
+        if tensors[i].requires_grad is not need:
+            break
+    else:
+        return run(tensors)
+    level = _functorch_c._grad_increment_nesting()
+    try:
+        given = [_wrap_for_grad(t, level) for t in tensors]
+        inplace = _inplace_requires_grad_allowed()
+        _allow_inplace_requires_grad(True)
+        try:
+            for t, need in zip(given, needs):
+                if need:
+                    t.requires_grad_()
+        finally:
+            _allow_inplace_requires_grad(inplace)
+        return tuple(_unwrap_for_grad(o, level) for o in run(given))
+    finally:
+        _functorch_c._grad_decrement_nesting()
 
 
 #: torch 2.4-2.7's vmap disables saved-tensor hooks inside it (its _flat_vmap is wrapped so)

@@ -244,7 +244,10 @@ class Plan:
             elif saved.report is not None:
                 saved.report.recompute(why)
         with context:
-            return tuple(_output_tensors(self.call(tensors)))
+            return _levels.as_the_call_saw(self._outputs_of_call, tensors, self.requires_grad_read, self.needs)
+
+    def _outputs_of_call(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+        return tuple(_output_tensors(self.call(tensors)))
 
     # -- the first forward: the plain run, then packed into the recompute
 
@@ -319,6 +322,8 @@ class Plan:
                 return output
         read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
         self.versions_after = after if read is None else [v if i in read else None for i, v in enumerate(after)]
+        #: (index, requires_grad) of each input the block read, as it read it: each recompute shows it so
+        self.requires_grad_read = [(i, need) for i, need in enumerate(self.needs) if read is None or i in read]
         self.output_template = output
         self.output_ids = [id(t) for t in found]
         self.output_kept = [_differentiable_dtype(t) for t in found]
