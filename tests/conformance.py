@@ -21,7 +21,7 @@ and checkpointed, and says what happened (:class:`Outcome`):
   runs: a failure.
 
 "Results" are every tensor the program returns, the gradients an eager
-``.backward()`` leaves (the program runs twice, as two training steps: a
+``.backward()`` leaves and which leaves it leaves None (the program runs twice, as two training steps: a
 block's second call reads what the first kept of it), and what the program leaves behind: the next number
 of the global RNG, every buffer of the model (BatchNorm's running
 statistics), and a module's call counter.
@@ -218,6 +218,11 @@ def _requires_grad_branch(b, h):
     return torch.tanh(b(h)) if h.requires_grad else torch.sin(b(h))
 
 
+def _view_of_input(b, h):
+    # nn.Flatten / nn.Unflatten / an einops rearrange in a checkpointed segment: a view of the input
+    return b(h).view(D, T).view(T, D)
+
+
 def _embedding_body(max_norm=None):
     body = nn.Module()
     body.emb = nn.Embedding(5, D, max_norm=max_norm)
@@ -269,6 +274,7 @@ KINDS: Dict[str, Kind] = {
     "numpy timestep set before each call": Kind(lambda: Block(_Timestep(), _counting)),
     "branches on grad mode": Kind(lambda: Block(nn.Linear(D, D), _grad_mode_branch)),
     "branches on requires_grad": Kind(lambda: Block(nn.Linear(D, D), _requires_grad_branch)),
+    "returns a view of its input": Kind(lambda: Block(nn.Identity(), _view_of_input)),
 }
 
 
@@ -559,7 +565,9 @@ def _eager_leaves(pr) -> List[torch.Tensor]:
 def _backward_grads(pr, total, extra: Tuple[torch.Tensor, ...] = ()) -> List[torch.Tensor]:
     leaves = [*_eager_leaves(pr), *extra]
     total.backward()
-    return [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+    # which leaves autograd left without a gradient (None: an optimizer skips them), then the gradients
+    untouched = torch.tensor([t.grad is None for t in leaves])
+    return [untouched, *(torch.zeros_like(t) if t.grad is None else t.grad for t in leaves)]
 
 
 def _t_jvp_backward(pr):

@@ -574,3 +574,78 @@ def test_jvp_of_a_pullback_called_after_its_vjp_returned(case, entry):
     assert len(got) == len(reference)
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r)
+
+
+def _no_grad_inside(block):
+    def f(x):
+        h = x.sin()
+        with torch.no_grad():
+            k = block(h)
+        return (h * k).sum()
+
+    return f
+
+
+NO_GRAD_STACKS = {
+    "grad(grad)": lambda f, x: grad(lambda u: grad(f)(u).pow(2).sum())(x),
+    "jvp(grad(grad))": lambda f, x: jvp(grad(lambda u: grad(f)(u).pow(2).sum()), (x,), (torch.ones_like(x),)),
+    "vmap(grad(grad))": lambda f, x: vmap(grad(lambda u: grad(f)(u).pow(2).sum()))(torch.stack([x, -x])),
+}
+
+
+@pytest.mark.parametrize("stack", list(NO_GRAD_STACKS))
+@pytest.mark.parametrize("parameters", ["frozen", "requiring grad"])
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_block_called_under_no_grad_inside_second_order_transforms(entry, parameters, stack):
+    """The reviewer's program: every element was wrong (frozen Linear), or forward AD of
+    silu_backward raised (SiLU, parameters requiring grad): the block's output is a constant
+    to every level, and ckpt_guard.checkpoint now returns the plain run there."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()).double()
+    block.requires_grad_(parameters == "requiring grad")
+    x = torch.randn(3, 4, dtype=DTYPE)
+    reference = NO_GRAD_STACKS[stack](_no_grad_inside(block), x)
+    policy, ckpt = ENTRIES[entry]
+    with ckpt_guard.policy(policy), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = NO_GRAD_STACKS[stack](_no_grad_inside(lambda h: ckpt(block, h)), x)
+    for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(reference)):
+        torch.testing.assert_close(g, r)
+
+
+class _BranchesOnRequiresGrad(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) if x.requires_grad else self.lin(x).sin()
+
+
+@pytest.mark.parametrize("stack", ["jvp(grad)", "hessian"])
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_block_branching_on_requires_grad_then_backward(entry, stack):
+    """The reviewer's program: forward over reverse, then ``.backward()`` into the parameters
+    and the input; a recompute ran the block with ``x.requires_grad`` False (the other branch)."""
+    torch.manual_seed(0)
+    block = _BranchesOnRequiresGrad().double()
+    x0 = torch.randn(3, 4, dtype=DTYPE)
+
+    def run(ckpt):
+        block.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+
+        def f(u):
+            return (ckpt(block, u) * u).sum()
+
+        out = jvp(grad(f), (x,), (torch.ones_like(x),))[1] if stack == "jvp(grad)" else hessian(f)(x)
+        out.pow(2).sum().backward()
+        return [out.detach(), x.grad, block.lin.weight.grad, block.lin.bias.grad]
+
+    reference = run(plain)
+    policy, ckpt = ENTRIES[entry]
+    with ckpt_guard.policy(policy), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = run(ckpt)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)

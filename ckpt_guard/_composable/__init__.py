@@ -99,6 +99,16 @@ so each recompute starts from what the forward started from (and a later
 update of the live tensor, the same module called again, changes nothing it
 reads), and a gradient for it reaches the input's value before the update.
 Each recompute gives the block a copy of such an input to write into.
+An output that is an input, or a view of one (``nn.Identity``, ``nn.Flatten``), is
+the caller's as the plain run made it, so the caller's update in place of it
+reaches the input; the Function is handed a copy of that input (the caller may
+write into it).  A block whose every output is such an alias saves nothing: its
+plain run is the result.
+
+**What the block sees.**  Each recompute shows the block its inputs'
+``requires_grad`` as the call did (``levels.as_the_call_saw``), and runs in the
+call's grad mode; with grad mode off at the call (``torch.no_grad()`` inside
+``grad(grad)``) no level records the block, and its plain run is the result.
 
 **What the recompute replays.**  The forward's CPU and device RNG states
 (dropout draws the same mask), each user ``torch.Generator`` the block drew

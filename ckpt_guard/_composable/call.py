@@ -227,15 +227,35 @@ def _run(built: Plan) -> Any:
         built.release()
         raise Refused(reason, output)
     precomputed = built.precomputed(output)
+    if len(built.aliases) == len(found):  # every output is an input or a view of one: nothing to save
+        built.release()
+        built.unpacked = NOTHING_TO_SAVE
+        return output
     built.keep_tangents(output)
+    # an output that is an input, or a view of one, is the caller's as the plain run made it: an
+    # update in place of it reaches the input, as without checkpointing (a Function's output cannot
+    # be a view under torch.func); its graph is a view's, or the block's in-place updates of that input
+    aliases = [(i, found[i]) for i in built.aliases]
     del found, output  # the plain run's graph goes with them
     # an input the forward updated in place (a BatchNorm's running statistics) is handed in as the copy
     # of what the forward started from: the Function saves that, so a later update of the live one (the
     # same module called again) is no change to what this recompute reads
     operands = [built.pre_forward.get(i, t) for i, t in enumerate(built.inputs)] if built.pre_forward else built.inputs
+    if built.aliased_inputs:
+        # an input an output aliases: the caller may write into it through that output, as without
+        # checkpointing; the Function is handed a copy (connected to it), which no one else can write
+        operands = list(operands)
+        for i in built.aliased_inputs:
+            if i not in built.pre_forward:
+                operands[i] = operands[i].clone()
+                built.versions_after[i] = None
     outputs = _levels.apply(built, *operands, *precomputed)
     counters.PACKED += 1
     del precomputed
+    if aliases:
+        outputs = list(outputs)
+        for i, plain in aliases:
+            outputs[i] = plain
     result = built.rebuild(outputs)
     built.release()
     built.output_template = None  # the forward's outputs: the backward does not need them

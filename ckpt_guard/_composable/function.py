@@ -28,6 +28,7 @@ from . import counters
 from .. import _state
 from .basics import GRAD_KEY, VMAP_KEY, Tensor, _base, _differentiable_dtype
 from .plan import Plan
+from .proof import _storage_address
 from .replay import _forward_mode_alive, _vmap_level_of_rule
 
 
@@ -83,15 +84,7 @@ class _Derivative:
         self.tangents = _levels.tangents_computed([o for o, k in zip(outputs, kept) if k])
         self.output_kept = kept
         self.n_inputs = len(operands)
-        passed = {id(t) for t in operands}
-        return tuple(o.clone().detach() if id(o) in passed else o.detach() for o in outputs)
-
-    def take_tangents(self, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
-        """The tangents :meth:`run_for_tangents` kept, for the jvp rule of ``level``, once."""
-        kept, self.tangents = self.tangents, None
-        if kept is None or kept[0] != level:
-            return None
-        return kept[1]
+        return _cut_from(outputs, operands)
 
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         if self.n_inputs < len(tensors):  # the plain run's tangents, or outputs, handed in (see run_for_tangents)
@@ -102,8 +95,7 @@ class _Derivative:
         with torch.no_grad():  # torch.func's transforms inside ignore it; no eager graph is kept
             outputs = self._function(tensors)
         self.output_kept = [_differentiable_dtype(o) for o in outputs]
-        passed = {id(t) for t in tensors}
-        return tuple(o.clone() if id(o) in passed else o.detach() for o in outputs)
+        return _cut_from(outputs, tensors)
 
     def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         return self._function(tensors)
@@ -188,6 +180,29 @@ class _Batched:
         return self.base.differentiable_inputs(forward)
 
 
+def _cut_from(outputs: Sequence[Tensor], operands: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    """A derivative's outputs cut from their graph, for its Function's forward to return: one
+    sharing memory with an operand (the operand itself, a view of it: a cotangent passed through)
+    is copied, as :meth:`Plan.precomputed` copies the plain run's, since a Function's output must
+    not alias what it saves for backward."""
+    ids = {id(t) for t in operands}
+    storages = {address for address in map(_storage_address, operands) if address is not None}
+    return tuple(
+        o.clone().detach() if id(o) in ids or (storages and _storage_address(o) in storages) else o.detach()
+        for o in outputs
+    )
+
+
+def _take_tangents(node: Any, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
+    """The tangents a plan's plain run (or a derivative's run at the caller's levels) computed, kept
+    in ``node.tangents`` as ``(jvp level, tangents)``, for the jvp rule of ``level``: once (a later
+    call recomputes them)."""
+    kept, node.tangents = node.tangents, None
+    if kept is None or kept[0] != level:
+        return None
+    return kept[1]
+
+
 def _primal_count(derivative: _Derivative, in_dims: Sequence[Any]) -> int:
     return len(in_dims) - (sum(derivative.present) if derivative.kind == "vjp" else len(derivative.wanted))
 
@@ -210,8 +225,9 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
     required grad at the call require grad there too, differentiated or not
     (what the block reads, and the kernels, are then the call's).
     """
-    needs = _root(plan).needs  # the plan's inputs come first (a derivative's cotangents follow)
-    marked = [i for i in range(min(len(needs), len(tensors))) if needs[i] and i not in wanted]
+    # the plan's inputs come first (a derivative's cotangents follow); those the block never read (a
+    # module's own parameters a functional_call swapped out) are not marked: nothing would see them
+    marked = [i for i, need in _root(plan).requires_grad_read if need and i not in wanted]
     return _levels.vjp(_recompute_of(plan), tensors, wanted, marked)
 
 
@@ -395,8 +411,11 @@ class _Recompute(torch.autograd.Function):
                 tensors = tuple(_levels._without_dead_wrappers(t) for t in tensors)
             with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
                 outputs, pullback = _vjp(plan, tensors, wanted)
-            with torch.set_grad_enabled(building):  # no graph of the vjp otherwise: it would keep the recompute alive
-                grads = pullback(tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents)))
+            # no graph of the vjp otherwise: it would keep the recompute alive; an input the outputs do
+            # not reach gets None, as from plain autograd (an eager leaf's .grad stays None)
+            with torch.set_grad_enabled(building):
+                cotangents = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents))
+                grads = pullback(cotangents, unreached="none")
         result: List[Optional[Tensor]] = [None] * len(tensors)
         for i, g in zip(wanted, grads):
             result[i] = g
@@ -426,7 +445,7 @@ class _Recompute(torch.autograd.Function):
         # recomputed (a recompute under the jvp costs time, and its graph would double the peak)
         precomputed = None
         if isinstance(plan, (Plan, _Derivative)):
-            precomputed = plan.take_tangents(own)
+            precomputed = _take_tangents(plan, own)
             counters.TANGENT_RECOMPUTES += precomputed is None
         if _differentiated_again(tensors, directions, own):
             derivative = _Derivative(plan, "jvp", wanted, ())

@@ -41,6 +41,7 @@ operands is given back as that operand (the identity torch's
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -255,14 +256,35 @@ def vjp(
     finally:
         _hooks_back(hooks)
 
-    def pullback(cotangents: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    def pullback(cotangents: Sequence[Tensor], unreached: str = "zeros") -> Tuple[Optional[Tensor], ...]:
+        """The gradients (the level has exited: its wrappers are dead, the gradients are the level
+        below's); where the outputs do not reach a wanted tensor, a zero (torch.func's answer), or
+        None with ``unreached="none"`` (eager autograd's: a leaf's ``.grad`` stays None)."""
         create_graph = torch.is_grad_enabled()
         with torch.autograd.graph.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS), _disable_inference_mode():
-            return _eager._autograd_grad(
-                outputs, differentiated, tuple(cotangents), retain_graph=True, create_graph=create_graph,
-            )  # the level has exited: its wrappers are dead, the gradients are the level below's
+            if unreached == "zeros":
+                return _eager._autograd_grad(
+                    outputs, differentiated, tuple(cotangents), retain_graph=True, create_graph=create_graph,
+                )
+            return _gradients(outputs, differentiated, cotangents, create_graph)
 
     return results, pullback
+
+
+def _gradients(
+    outputs: Sequence[Tensor], inputs: Sequence[Tensor], cotangents: Sequence[Tensor], create_graph: bool,
+) -> Tuple[Optional[Tensor], ...]:
+    """torch.func's ``_autograd_grad`` without its zeros: None for an input the outputs do not reach."""
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+    if not pairs:
+        return (None,) * len(inputs)
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    disabled = getattr(compiled, "_disable", None)  # as torch's: never compiled autograd in here
+    with disabled() if disabled is not None else contextlib.nullcontext():
+        return torch.autograd.grad(
+            [o for o, _ in pairs], inputs, [c for _, c in pairs], retain_graph=True, create_graph=create_graph,
+            allow_unused=True,
+        )
 
 
 def as_the_call_saw(

@@ -138,6 +138,12 @@ class Plan:
         self.n_inputs = len(self.inputs)
         #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
         self.refusal: Optional[str] = None
+        #: positions of the plain run's outputs that share memory with an input (the input itself, a
+        #: view of it): the caller gets those tensors as the plain run made them (see call._run)
+        self.aliases: List[int] = []
+        #: the inputs those outputs alias: handed to the Function as copies (the caller may write
+        #: into them through the alias, as without checkpointing; the recompute reads the copy)
+        self.aliased_inputs: List[int] = []
         #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until used
         self.tangents: Optional[tuple] = None
         #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
@@ -332,17 +338,10 @@ class Plan:
     def keep_tangents(self, output: Any) -> None:
         """The plain run's output tangents, where a jvp level computed them (``levels.tangents_computed``:
         a jvp on top, or right under the grad levels on top), for the Function's jvp rule of that
-        level to hand on (see :meth:`take_tangents`)."""
+        level to hand on (``function._take_tangents``)."""
         self.tangents = _levels.tangents_computed(
             [o for o, kept in zip(_output_tensors(output), self.output_kept) if kept]
         )
-
-    def take_tangents(self, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
-        """The plain run's tangents for the jvp rule of ``level``, once (a later call recomputes)."""
-        kept, self.tangents = self.tangents, None
-        if kept is None or kept[0] != level:
-            return None
-        return kept[1]
 
     def ran_under(self, level: int, batch_size: int, randomness: str) -> bool:
         """Whether the plain run ran under this vmap (its random draws were batched by it)."""
@@ -357,15 +356,24 @@ class Plan:
         ``.detach()`` keeps the batching and drops the autograd history at every
         level, so nothing holds the plain run's activations once it returns.
         An output sharing memory with an input is copied (the Function's output
-        must not alias what it saves for backward).
+        must not alias what it saves for backward), and its position kept in
+        :attr:`aliases`: the caller gets the plain run's own tensor there, and
+        the inputs it aliases are in :attr:`aliased_inputs`.
         """
         found = _output_tensors(output)
         addresses = [_proof._storage_address(t) for t in found]
-        storages = None
-        if any(a is not None for a in addresses):
-            storages = {_proof._storage_address(i) for i in self.inputs}
+        if all(a is None for a in addresses):
+            return [t.detach() for t in found]
+        inputs = [_proof._storage_address(i) for i in self.inputs]
+        storages = set(inputs)
+        self.aliases = [i for i, address in enumerate(addresses) if address is not None and address in storages]
+        if not self.aliases:
+            return [t.detach() for t in found]
+        aliased = {addresses[i] for i in self.aliases}
+        self.aliased_inputs = [j for j, address in enumerate(inputs) if address in aliased]
         return [
-            (t.clone() if storages and address in storages else t).detach() for t, address in zip(found, addresses)
+            (t.clone() if address is not None and address in storages else t).detach()
+            for t, address in zip(found, addresses)
         ]
 
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
