@@ -55,7 +55,7 @@ class _Derivative:
                 return _jvp(self.base, primals, self.wanted, extra)
             outputs, pullback = _vjp(self.base, primals, self.wanted)
             given = iter(extra)
-            cotangents = tuple(next(given) if p else torch.zeros_like(o) for p, o in zip(self.present, outputs))
+            cotangents = tuple(next(given) if p else None for p in self.present)  # an unused output: none
             return tuple(pullback(cotangents))
 
     def run_for_tangents(self, operands: Sequence[Tensor]) -> Tuple[Tensor, ...]:
@@ -414,8 +414,7 @@ class _Recompute(torch.autograd.Function):
             # no graph of the vjp otherwise: it would keep the recompute alive; an input the outputs do
             # not reach gets None, as from plain autograd (an eager leaf's .grad stays None)
             with torch.set_grad_enabled(building):
-                cotangents = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(outputs, cotangents))
-                grads = pullback(cotangents, unreached="none")
+                grads = pullback(cotangents, unreached="none")  # an output the caller left unused: none
         result: List[Optional[Tensor]] = [None] * len(tensors)
         for i, g in zip(wanted, grads):
             result[i] = g

@@ -262,11 +262,10 @@ def vjp(
         None with ``unreached="none"`` (eager autograd's: a leaf's ``.grad`` stays None)."""
         create_graph = torch.is_grad_enabled()
         with torch.autograd.graph.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS), _disable_inference_mode():
-            if unreached == "zeros":
-                return _eager._autograd_grad(
-                    outputs, differentiated, tuple(cotangents), retain_graph=True, create_graph=create_graph,
-                )
-            return _gradients(outputs, differentiated, cotangents, create_graph)
+            grads = _gradients(outputs, differentiated, cotangents, create_graph)
+        if unreached == "zeros":
+            return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, differentiated))
+        return grads
 
     return results, pullback
 
@@ -274,8 +273,10 @@ def vjp(
 def _gradients(
     outputs: Sequence[Tensor], inputs: Sequence[Tensor], cotangents: Sequence[Tensor], create_graph: bool,
 ) -> Tuple[Optional[Tensor], ...]:
-    """torch.func's ``_autograd_grad`` without its zeros: None for an input the outputs do not reach."""
-    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+    """torch.func's ``_autograd_grad`` without its zeros: None for an input the outputs do not reach,
+    and an output without a cotangent (None: the caller did not use it) left out, as autograd does
+    (a zero cotangent would make its inputs' gradients depend on it: zeros where plain leaves None)."""
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if c is not None and o.requires_grad]
     if not pairs:
         return (None,) * len(inputs)
     compiled = sys.modules.get("torch._dynamo.compiled_autograd")
@@ -287,31 +288,42 @@ def _gradients(
         )
 
 
-def as_the_call_saw(
-    run: Callable[[Sequence[Tensor]], Tuple[Tensor, ...]], tensors: Sequence[Tensor],
-    read: Sequence[Tuple[int, bool]], needs: Sequence[bool],
-) -> Tuple[Tensor, ...]:
-    """``run(tensors)``, the block seeing each input's ``requires_grad`` as it did at the call (``needs``).
+def as_the_call_saw(run: Callable[[Sequence[Tensor]], Tuple[Tensor, ...]], tensors: Sequence[Tensor], plan: Any) -> Tuple[Tensor, ...]:
+    """``run(tensors)``, the block seeing ``requires_grad`` as it did at the call.
 
     A block may branch on it (``if x.requires_grad``; nn.MultiheadAttention's
     fast-path test), and a recompute's levels are not the call's: its vjp level
-    makes the inputs it differentiates read True, a vmap or jvp level on top
-    makes every input read False, whatever lies below.  Where what the inputs
-    read differs from the call, the block runs under one more grad level on top,
-    whose wrappers require grad exactly where the call's did (a wrapper reads
-    its own level's flag): the block's ops then record there as they did at the
-    call, so what it computes reads as it did too.  Nothing differentiates that
-    level: its graph goes when it exits.  ``read``: ``(index, requires_grad at the
-    call)`` of the inputs the block read (a module's parameters a ``functional_call``
-    swapped out are lifted, never read).  Usually what they read is the same
-    (``grad``, ``vmap(grad)``: :func:`vjp` marks what the call saw requiring grad): one
-    flag read per input, nothing more.
+    makes what it differentiates read True, a vmap or jvp level on top makes
+    what it wraps read False, whatever lies below.  What the block reads is
+    decided by the level on top (a wrapper reads its own level's flag, and what
+    the block computes is wrapped at the top level), so where the recompute's
+    top is not the call's kind, or an input the block read (``plan.requires_grad_read``:
+    a module's parameters a ``functional_call`` swapped out are lifted, never
+    read) reads otherwise, the block runs under one more level on top, of the
+    call's kind: a grad level whose wrappers require grad where the call's
+    inputs did, or a jvp level (no tangent) wrapping the inputs the call's jvp
+    level wrapped (``plan.wrapped_at_top``).  Nothing differentiates that level:
+    its graph goes when it exits.  Usually nothing differs (``grad``,
+    ``vmap(grad)``: :func:`vjp` marks what the call saw requiring grad): a peek
+    and one flag read per input.  (A vmap on top at the call is not made again:
+    what it wraps reads False, as under the recompute's own vmap.)
     """
-    for i, need in read:
+    call_top = plan.top_at_call
+    top = _peek_interpreter_stack()
+    now = None if top is None else top.key().value
+    if call_top == _JVP and now != _JVP:
+        return _under_a_jvp_level(run, tensors, plan.wrapped_at_top)
+    if call_top == _GRAD and now != _GRAD:
+        return _under_a_grad_level(run, tensors, plan.needs)
+    for i, need in plan.requires_grad_read:
         if tensors[i].requires_grad is not need:
-            break
-    else:
-        return run(tensors)
+            return _under_a_grad_level(run, tensors, plan.needs)
+    return run(tensors)
+
+
+def _under_a_grad_level(
+    run: Callable[[Sequence[Tensor]], Tuple[Tensor, ...]], tensors: Sequence[Tensor], needs: Sequence[bool],
+) -> Tuple[Tensor, ...]:
     level = _functorch_c._grad_increment_nesting()
     try:
         given = [_wrap_for_grad(t, level) for t in tensors]
@@ -326,6 +338,19 @@ def as_the_call_saw(
         return tuple(_unwrap_for_grad(o, level) for o in run(given))
     finally:
         _functorch_c._grad_decrement_nesting()
+
+
+def _under_a_jvp_level(
+    run: Callable[[Sequence[Tensor]], Tuple[Tensor, ...]], tensors: Sequence[Tensor], wrapped: Sequence[int],
+) -> Tuple[Tensor, ...]:
+    level = _functorch_c._jvp_increment_nesting()
+    try:
+        given = list(tensors)
+        for i in wrapped:
+            given[i] = _wrap_for_grad(given[i], level)
+        return tuple(_unwrap_for_grad(o, level) for o in run(given))
+    finally:
+        _functorch_c._jvp_decrement_nesting()
 
 
 #: torch 2.4-2.7's vmap disables saved-tensor hooks inside it (its _flat_vmap is wrapped so)

@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.utils.checkpoint as _tuc
 from torch._C._functorch import current_level as _current_level
+from torch._C._functorch import is_batchedtensor as _is_batched, maybe_get_level as _level_of
 
 from . import proof as _proof
 from . import binding as _rebind
@@ -28,7 +29,7 @@ from . import residuals as _residuals
 from . import saving as _saving
 from .. import _state
 from .basics import (
-    SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
+    JVP_KEY, SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
 )
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
@@ -119,6 +120,17 @@ class Plan:
         #: (module, name) of those plain attributes: the containers among them are watched in the forward
         self.attribute_names = [(module, name) for module, name, _ in attributes]
         self.grad_mode = torch.is_grad_enabled()
+        #: the transform on top at the call (its key), and for a jvp on top the inputs it wrapped:
+        #: what the block computes reads requires_grad by that level (levels.as_the_call_saw)
+        top = _state.peek_interpreter_stack()
+        self.top_at_call: Optional[int] = None if top is None else top.key().value
+        self.wrapped_at_top: List[int] = []
+        if self.top_at_call == JVP_KEY:
+            level = top.level()
+            self.wrapped_at_top = [
+                i for i, t in enumerate(self.inputs) if _state.is_functorch_wrapped_tensor(t)
+                and not _is_batched(t) and _level_of(t) == level
+            ]
         #: inputs that required grad at the call: the forward makes them require grad too
         self.needs: List[bool] = []
         #: inputs a gradient or a tangent can reach: those a grad or jvp level wraps, or that
@@ -250,7 +262,7 @@ class Plan:
             elif saved.report is not None:
                 saved.report.recompute(why)
         with context:
-            return _levels.as_the_call_saw(self._outputs_of_call, tensors, self.requires_grad_read, self.needs)
+            return _levels.as_the_call_saw(self._outputs_of_call, tensors, self)
 
     def _outputs_of_call(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         return tuple(_output_tensors(self.call(tensors)))
