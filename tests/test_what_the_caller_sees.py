@@ -295,3 +295,56 @@ def test_an_output_the_caller_ignores_leaves_its_parameters_grad_none(flow):
     assert second_plain is None  # measured: the plain program leaves it None
     assert second_ckpt is None, f"the unused output's Linear got .grad {second_ckpt!r}"
     torch.testing.assert_close(first_ckpt, first_plain)
+
+
+def _with_a_no_grad_view(x):
+    y = torch.sin(x)
+    with torch.no_grad():
+        constant = y[0]  # a view made under no_grad: a constant to the caller
+    return y, constant
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)", "jacrev", "jvp(grad)", "grad(grad)"])
+def test_an_output_made_under_no_grad_is_a_constant(transform):
+    """At a grad level such a view reads requires_grad=True without a grad_fn: the recompute's
+    backward raised "does not require grad and does not have a grad_fn" (review finding)."""
+
+    def caller(ckpt):
+        def loss(x):
+            y, constant = ckpt(_with_a_no_grad_view, x * 1.0)
+            return (y * constant).sum()
+
+        return loss
+
+    reference = _leaves(TRANSFORMS[transform](caller(_plain)))
+    got = _leaves(TRANSFORMS[transform](caller(ckpt_guard.checkpoint)))
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+
+
+def _writes_one_view_reads_another(a, b):
+    a.mul_(2.0)  # writes a, and so b's first row
+    return b.sin(), a * 1.0
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)", "jvp(grad)", "grad(grad)"])
+def test_a_write_into_an_input_overlapping_another_is_refused(transform):
+    """Overlapping views given as two inputs, one written in place: each recompute starts from a
+    copy of its own, so the gradient skipped the write (review finding, wrong in every element).
+    Refused (class overlapping-write): strict raises, fallback's result is the plain run."""
+
+    def caller(ckpt):
+        def loss(x):
+            h = x * 1.0
+            s, o = ckpt(_writes_one_view_reads_another, h[0], h[0:2])
+            return s.pow(2).sum() + o.pow(2).sum() + (h.cos() * h).sum()
+
+        return loss
+
+    reference = _leaves(TRANSFORMS[transform](caller(_plain)))
+    with pytest.raises(ckpt_guard.CheckpointCompositionError, match="overlapping-write"):
+        TRANSFORMS[transform](caller(ckpt_guard.checkpoint))
+    with ckpt_guard.policy("fallback"), pytest.warns(ckpt_guard.CheckpointCompositionWarning, match="overlapping-write"):
+        got = _leaves(TRANSFORMS[transform](caller(ckpt_guard.checkpoint)))
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)

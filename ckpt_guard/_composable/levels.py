@@ -276,7 +276,13 @@ def _gradients(
     """torch.func's ``_autograd_grad`` without its zeros: None for an input the outputs do not reach,
     and an output without a cotangent (None: the caller did not use it) left out, as autograd does
     (a zero cotangent would make its inputs' gradients depend on it: zeros where plain leaves None)."""
-    pairs = [(o, c) for o, c in zip(outputs, cotangents) if c is not None and o.requires_grad]
+    # what autograd can differentiate: an output with a graph, or a differentiated input returned as
+    # is (a view made under no_grad at a grad level reads requires_grad=True without a grad_fn)
+    given = {id(t) for t in inputs}
+    pairs = [
+        (o, c) for o, c in zip(outputs, cotangents)
+        if c is not None and o.requires_grad and (o.grad_fn is not None or id(o) in given)
+    ]
     if not pairs:
         return (None,) * len(inputs)
     compiled = sys.modules.get("torch._dynamo.compiled_autograd")

@@ -333,6 +333,10 @@ class Plan:
             }
             self.rewritten = frozenset(check.rewritten)
             self.written = frozenset(self.pre_forward) | self.rewritten
+            if self.pre_forward:
+                self.refusal = self._overlapping_write()
+                if self.refusal is not None:
+                    return output
             self.read = None if check.unseen_reads else check.read
         if given:
             self.contents, self.refusal = _contents_to_replay(given)
@@ -433,6 +437,26 @@ class Plan:
                 f"the block updated {path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place "
                 "in a way the run-time proof did not see coming (a C extension, or with torch functions "
                 "off), so no copy of what it started from was kept for the recompute",
+            )
+        return None
+
+    def _overlapping_write(self) -> Optional[str]:
+        """Why the call cannot be packed, if the forward wrote in place into an input that shares memory
+        with another input a gradient may reach (overlapping views: each recompute starts from a copy
+        of its own, so the write would not reach the other, nor its gradient go through the write)."""
+        addresses = [_proof._storage_address(t) for t in self.inputs]
+        for i in self.pre_forward:
+            j = next((j for j, a in enumerate(addresses) if j != i and a is not None and a == addresses[i]), None)
+            if j is None or not (self.reachable[i] or self.reachable[j]):
+                continue
+            t = self.inputs[j]
+            path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
+            return Reason(
+                "overlapping-write",
+                f"the block updates in place an input that shares memory with another input it is given "
+                f"({path or 'a tensor'} of shape {tuple(_base(t).shape)}): a recompute starts each from a copy "
+                "of its own, so the write would not reach the other",
+                fix="give the block one tensor and take the views inside it, or clone one of them before the call",
             )
         return None
 

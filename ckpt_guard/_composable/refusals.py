@@ -78,6 +78,7 @@ REFUSAL_CLASSES = {
     "leaf-inside": "the block makes a tensor require grad (requires_grad_()): a leaf inside the checkpoint",
     "write-outside": "the block writes in place into a tensor it was neither given nor made",
     "unseen-update": "an input's memory changed in a way no torch function showed (a C extension)",
+    "overlapping-write": "the block updates in place an input that shares memory with another input it is given",
     "long-container": "the block changes a container too long to keep a copy of",
 }
 
