@@ -296,7 +296,11 @@ def _vjp_of_grad_by_hand(torch, net, data, direction):
     with torch.no_grad():  # 1
         for block in blocks:
             inputs.append(block(inputs[-1]))
-    out_grads = [None] * len(blocks) + [2 * inputs[-1] / inputs[-1].numel()]  # d mean(h^2) / dh
+    # the loss differentiated as torch.func differentiates it: its gradient's graph (what pow's and
+    # mean's backward made) stays alive until the outer vjp has gone through it, as under vjp(grad)
+    last = leaf(inputs[-1])
+    loss_grad = grad(last.pow(2).mean(), last, create_graph=True)[0]
+    out_grads = [None] * len(blocks) + [loss_grad.detach()]
     gradient = {}  # vjp(grad(loss), params) computes it too (block 0's input is the data)
     for i in range(len(blocks) - 1, -1, -1):  # 2
         x = leaf(inputs[i]) if i > 0 else inputs[0]
@@ -316,7 +320,8 @@ def _vjp_of_grad_by_hand(torch, net, data, direction):
             input_cotangents[i], cotangent, *second = grad(
                 [x_grad, *weight_grads], [x, g, *weights[i]], [cotangent, *directions])
         result.update(zip(names[i], second))
-    cotangent = 2 * cotangent / inputs[-1].numel()  # through d mean(h^2) / dh
+    cotangent = grad(loss_grad, last, cotangent)[0]  # through the loss's gradient
+    del loss_grad, last
     for i in range(len(blocks) - 1, -1, -1):  # 4
         x = leaf(inputs[i]) if i > 0 else inputs[0]
         wrt = [x, *weights[i]] if i > 0 else weights[i]
