@@ -56,6 +56,7 @@ from torch._functorch.autograd_function import VmapInfo as _VmapInfo
 from torch._functorch.autograd_function import custom_function_call
 from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
 from torch.autograd.function import _SingleLevelFunction
+from torch.autograd.graph import _engine_run_backward
 
 from .basics import GRAD_KEY as _GRAD, JVP_KEY as _JVP, RANDOMNESS_NAMES, VMAP_KEY as _VMAP
 from .. import _state
@@ -291,10 +292,13 @@ def _gradients(
     # runs (with create_graph the new graph holds what it needs); kept until the end, a derivative's
     # activations and all their backward's temporaries were alive at once: reverse over reverse
     # peaked 5 MB above the schedule written by hand at benchmarks/memory.py's medium size
+    # autograd's engine called as torch.autograd.grad calls it, without its Python checks (~4 µs per
+    # block): the cotangents are never None here, no operand is a tensor subclass (refused), and the
+    # engine itself still checks each cotangent's shape against its output
     with disabled() if disabled is not None else contextlib.nullcontext():
-        return torch.autograd.grad(
-            [o for o, _ in pairs], inputs, [c for _, c in pairs], retain_graph=False, create_graph=create_graph,
-            allow_unused=True,
+        return _engine_run_backward(
+            tuple(o for o, _ in pairs), tuple(c for _, c in pairs), False, create_graph, tuple(inputs), True,
+            accumulate_grad=False,
         )
 
 
