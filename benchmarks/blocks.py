@@ -15,14 +15,7 @@ drift cancels), the fastest of ``--repeat`` rounds each:
   ``functional_call`` of the model, blocks called plainly, and through
   ``ckpt_guard.checkpoint``;
 * ``save matmuls`` (torch 2.5+): the same through ``ckpt_guard.checkpoint`` with a
-  save policy keeping the matmuls (``docs/save-policies.md``);
-* ``without early stop`` (the residual models): ``ckpt_guard.checkpoint`` with the
-  recompute's early stop switched off (``ckpt_guard/_composable/lazy.py``): its
-  recompute runs each block to its end, the last ``Linear`` and the residual add
-  included.
-
-Then ``benchmarks/policies.py``'s transformer (medium), checkpointed with and without the
-recompute's early stop (``ckpt_guard/_composable/lazy.py``), side by side.
+  save policy keeping the matmuls (``docs/save-policies.md``).
 
 Printed per model: each step's time, the time checkpointing adds per block
 (``ckpt_guard.checkpoint`` under a transform, torch's eager checkpoint
@@ -96,17 +89,6 @@ def steps(torch, model, x):
             g = grad(loss)
         return lambda: g(params, x)
 
-    def without_early_stop(step):  # the composable recompute running its whole block (lazy.py off)
-        from ckpt_guard._composable import lazy
-
-        def run():
-            lazy.ENABLED = False
-            try:
-                return step()
-            finally:
-                lazy.ENABLED = True
-        return run
-
     found = {
         "eager": eager(None),
         "eager checkpoint": eager(eager_ckpt),
@@ -115,12 +97,6 @@ def steps(torch, model, x):
         "vmap(grad)": transformed(None, True),
         "vmap(grad), ckpt_guard.checkpoint": transformed(ckpt_guard.checkpoint, True),
     }
-    from ckpt_guard._composable import lazy
-
-    if lazy.AVAILABLE and any(p.numel() >= lazy.MIN_NUMEL for p in params.values()):
-        # where the early stop applies (a large enough input), the same steps without it, beside
-        found["grad, without early stop"] = without_early_stop(found["grad, ckpt_guard.checkpoint"])
-        found["vmap(grad), without early stop"] = without_early_stop(found["vmap(grad), ckpt_guard.checkpoint"])
     context_fn = save_matmuls_context(torch)
     if context_fn is not None:  # a save policy (issue 31): matmuls kept, the rest recomputed
         saving = lambda block, h: ckpt_guard.checkpoint(block, h, context_fn=context_fn)  # noqa: E731
@@ -209,57 +185,12 @@ def main() -> int:
             print(f"  ckpt_guard.checkpoint under {kind:10} adds {added * 1e6:8.1f} µs per block: "
                   f"{added / eager_added:.2f}x torch's eager checkpoint's (target <= 2); "
                   f"step {best[f'{kind}, ckpt_guard.checkpoint'] / best[kind]:.2f}x the uncheckpointed {kind} step")
-            if f"{kind}, without early stop" in best:
-                whole = (best[f"{kind}, without early stop"] - best[kind]) / depth
-                print(f"    without the early stop (the whole block recomputed) it adds {whole * 1e6:8.1f} µs per "
-                      f"block: step {best[f'{kind}, without early stop'] / best[kind]:.2f}x")
             if f"{kind}, save matmuls" in best:
                 saving = (best[f"{kind}, save matmuls"] - best[kind]) / depth
                 print(f"    with matmuls saved (a save policy) it adds {saving * 1e6:8.1f} µs per block: "
                       f"{saving / added:.2f}x what recomputing everything adds (target <= 0.5); "
                       f"step {best[f'{kind}, save matmuls'] / best[kind]:.2f}x")
-    if not args.quick:
-        early_stop_on_the_transformer(torch, repeat)
     return 0
-
-
-def early_stop_on_the_transformer(torch, repeat: int) -> None:
-    """``benchmarks/policies.py``'s transformer (medium): each layer ends in ``h + fc2(gelu(fc1(h)))``,
-    so the early stop skips ``fc2`` and the add in every recompute.  Steps side by side."""
-    import os
-    import sys
-
-    from ckpt_guard._composable import lazy
-
-    if not lazy.AVAILABLE:
-        return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import policies
-
-    print("\ntransformer (benchmarks/policies.py, medium): the early stop, side by side")
-    for workload in ("grad", "vmap(grad)"):
-        plain = policies.setup(torch, "medium", workload, "no checkpoint")
-        checkpointed = policies.setup(torch, "medium", workload, "save nothing")
-
-        def without(step=checkpointed):
-            lazy.ENABLED = False
-            try:
-                return step()
-            finally:
-                lazy.ENABLED = True
-
-        runs = {"uncheckpointed": plain, "checkpointed": checkpointed, "without early stop": without}
-        for step in runs.values():
-            step()
-        best = {name: float("inf") for name in runs}
-        for _ in range(max(3, repeat // 3)):
-            for name, step in runs.items():
-                t0 = time.perf_counter()
-                step()
-                best[name] = min(best[name], time.perf_counter() - t0)
-        base = best["uncheckpointed"]
-        print(f"  {workload:10} uncheckpointed {base * 1e3:7.1f} ms; checkpointed {best['checkpointed'] / base:.2f}x, "
-              f"without the early stop {best['without early stop'] / base:.2f}x")
 
 
 if __name__ == "__main__":

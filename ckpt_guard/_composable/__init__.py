@@ -20,8 +20,6 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 ``saving``     a save policy (selective checkpointing): what the first forward keeps,
                handed back to each recompute instead of run again; names
 ``residuals``  ``ckpt_guard.saved_residuals``: what each block saved and recomputed
-``lazy``       the early stop: a first-order recompute defers its large matmuls and
-               runs only what its pullback reads
 ``function``   ``_Recompute``, the ``autograd.Function``: backward, jvp, vmap rules,
                each again a recompute
 ``levels``     applying that Function level by level, one class made once
@@ -30,7 +28,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 =============  ===================================================================
 
 Dependencies point down that table's layers: ``entry`` → ``call`` → ``function`` →
-``plan`` → ``replay``/``saving``/``lazy`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``; nothing here imports the
+``plan`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``; nothing here imports the
 decision (``_decide``, ``_drift``, ``_messages``) except ``entry``, the one door in
 from ``ckpt_guard.checkpoint``.  The design, as ``jax.checkpoint``'s ``ad_checkpoint.py``
 has it for remat:

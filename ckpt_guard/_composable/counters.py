@@ -29,10 +29,6 @@ SAVED_BY_POLICY = 0
 HANDED_BACK = 0
 RECOMPUTED_UNDER_POLICY: "collections.Counter[object]" = collections.Counter()
 
-#: Operations a first-order recompute deferred and never ran, nothing reading their outputs (``lazy``:
-#: torch's early stop, composable); the tests read it
-SKIPPED_BY_EARLY_STOP = 0
-
 #: The run-time proof runs on every first forward.  ``benchmarks/proof.py`` switches it off
 #: to measure what it costs; nothing else may (without it a wrong gradient goes unnoticed).
 PROOF = True

@@ -27,7 +27,6 @@ from . import levels as _levels
 from . import counters
 from .. import _state
 from .basics import GRAD_KEY, VMAP_KEY, Tensor, _base, _differentiable_dtype
-from . import lazy as _lazy
 from .plan import Plan
 from .proof import _storage_address
 from .replay import _forward_mode_alive, _vmap_level_of_rule
@@ -410,23 +409,12 @@ class _Recompute(torch.autograd.Function):
                 # tensors are that vjp's dead wrappers, and the live jvp level may carry the dead level's
                 # number (functorch's "escaped?" assertion): the recompute starts from what they wrap
                 tensors = tuple(_levels._without_dead_wrappers(t) for t in tensors)
-            # the recompute runs what its pullback reads, no more (torch's early stop: ``lazy``), where
-            # nothing can read its tensors after this backward: no forward mode, no save policy
-            deferring = None if building or not _lazy.applies(plan, tensors) else _lazy.Deferring()
-            with contextlib.ExitStack() as mode:
-                if deferring is not None:
-                    mode.enter_context(deferring)
-                with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
-                    outputs, pullback = _vjp(plan, tensors, wanted)
-                if deferring is not None and not deferring.settle(outputs):
-                    mode.close()  # nothing the pullback could read is pending: it runs without the mode
-                # no graph of the vjp otherwise: it would keep the recompute alive; an input the outputs do
-                # not reach gets None, as from plain autograd (an eager leaf's .grad stays None)
-                with torch.set_grad_enabled(building):
-                    grads = pullback(cotangents, unreached="none")  # an output the caller left unused: none
-            if deferring is not None:
-                del outputs, pullback  # the recompute's graph and tensors go: what is pending and
-                deferring.finish()  # still held by anything now runs, the rest never does
+            with _unbatched_vmaps_set_aside(tensors), plan.replay(), torch.no_grad():
+                outputs, pullback = _vjp(plan, tensors, wanted)
+            # no graph of the vjp otherwise: it would keep the recompute alive; an input the outputs do
+            # not reach gets None, as from plain autograd (an eager leaf's .grad stays None)
+            with torch.set_grad_enabled(building):
+                grads = pullback(cotangents, unreached="none")  # an output the caller left unused: none
         result: List[Optional[Tensor]] = [None] * len(tensors)
         for i, g in zip(wanted, grads):
             result[i] = g
