@@ -114,6 +114,33 @@ _NONDETERMINISTIC = torch.Tag.nondeterministic_seeded
 _INPLACE_VIEW = torch.Tag.inplace_view
 
 
+class _Op:
+    """What the modes need to know of one operation, read once from its schema.
+
+    The modes run per operation, and an ``OpOverload``'s ``__hash__`` is a Python method
+    (measured: five hashes per operation and mode were a fifth of the modes' own time), so
+    they look an operation up once, by ``id``, and key their per-operation tables by it.
+    """
+
+    __slots__ = ("func", "key", "ignored", "keepable", "written")
+
+    def __init__(self, func: Any) -> None:
+        self.func, self.key = func, id(func)  # held: its id is not reused while it is cached here
+        self.ignored = func in _IGNORED
+        self.keepable = _keepable(func)
+        self.written = _written_arguments(func)
+
+
+_ops: Dict[int, _Op] = {}
+
+
+def _op(func: Any) -> _Op:
+    op = _ops.get(id(func))
+    if op is None or op.func is not func:
+        op = _ops[id(func)] = _Op(func)
+    return op
+
+
 _keepable_cache: Dict[Any, bool] = {}
 
 
@@ -266,9 +293,10 @@ class Saved:
 
     def __init__(self, policy: Callable[..., Any], fingerprinted: bool = False) -> None:
         self.policy = policy
-        #: operation -> for each of its calls in the forward, in order: None (recomputed) or
-        #: (what it was given, its outputs, its output tensors, their versions, fingerprint, device)
-        self.calls: Dict[Any, List[Optional[tuple]]] = collections.defaultdict(list)
+        #: operation (its ``id``: see :class:`_Op`) -> for each of its calls in the forward, in order:
+        #: None (recomputed) or (what it was given, its outputs, its output tensors, their versions,
+        #: fingerprint, device)
+        self.calls: Dict[int, List[Optional[tuple]]] = collections.defaultdict(list)
         #: False once a recompute found the block running other operations: all is recomputed then
         self.usable = True
         #: storage address -> (operation, call index) of the saved outputs living there
@@ -290,7 +318,7 @@ class Saved:
         """The entry for a saved call: what it was given, its outputs (the objects the operation made:
         their version counters move when anything writes into them) and their versions; offloaded
         outputs on an accelerator are kept as CPU copies instead (nothing can write into those)."""
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
+        outputs = [out] if isinstance(out, Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, Tensor)]
         prints = _fingerprint(args, kwargs) if self.fingerprinted else ()
         if self.report is not None:
             self.report.saved(func, index, outputs, offload)
@@ -302,13 +330,11 @@ class Saved:
             self.by_storage[_address(t)].append((func, index))
         return (given, out, outputs, [t._version for t in outputs], prints, None)
 
-    def spoil_written(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """An operation that writes into its arguments: a saved output it writes into is no longer
-        what the operation that made it returned; that call is computed again from now on."""
+    def spoil_written(self, func: Any, args: tuple, kwargs: dict, written: tuple) -> None:
+        """An operation that writes into its arguments (``written``: their positions, see
+        :func:`_written_arguments`): a saved output it writes into is no longer what the operation
+        that made it returned; that call is computed again from now on."""
         if not self.by_storage:
-            return
-        written = _written_arguments(func)
-        if not written:
             return
         values = _arguments_of(func, args, kwargs)
         for position in written:
@@ -316,7 +342,7 @@ class Saved:
             for t in (value if isinstance(value, (list, tuple)) else (value,)):
                 if isinstance(t, Tensor):
                     for op, index in self.by_storage.pop(_address(t), ()):
-                        self.calls[op][index] = None
+                        self.calls[id(op)][index] = None
                         if self.report is not None:
                             self.report.dropped(op, index, f"{func} wrote into it in the block, after it was made")
 
@@ -375,8 +401,9 @@ class Saved:
                 why = "it was written into (an in-place op) after the operation made it"
             else:
                 key = (func, index)
-                if self.calls[func][index] is None:
-                    self.calls[func][index] = self.keep(func, index, args, kwargs, out)
+                entries = self.calls[id(func)]
+                if entries[index] is None:
+                    entries[index] = self.keep(func, index, args, kwargs, out)
                     counters.SAVED_BY_POLICY += 1
         if self.report is not None:
             self.report.name(name, tuple(value.shape), why, key)
@@ -493,19 +520,24 @@ class _Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _IGNORED:
+        op = _ops.get(id(func))
+        if op is None or op.func is not func:
+            op = _op(func)
+        if op.ignored:
             return out
         saved = self.saved
-        saved.spoil_written(func, args, kwargs)
+        if op.written:
+            saved.spoil_written(func, args, kwargs, op.written)
         entry = None
+        entries = saved.calls[op.key]
         # asked about every operation, as torch asks (a policy may count them); kept where it can be
         decision = saved.decide(func, args, kwargs, out)
-        if decision and _keepable(func):
-            entry = saved.keep(func, len(saved.calls[func]), args, kwargs, out, offload=decision == OFFLOAD)
+        if decision and op.keepable:
+            entry = saved.keep(func, len(entries), args, kwargs, out, offload=decision == OFFLOAD)
             counters.SAVED_BY_POLICY += 1
-        elif saved.names is not None and _keepable(func):
-            saved.remember_made(func, len(saved.calls[func]), args, kwargs, out)
-        saved.calls[func].append(entry)
+        elif saved.names is not None and op.keepable:
+            saved.remember_made(func, len(entries), args, kwargs, out)
+        entries.append(entry)
         return out
 
 
@@ -515,7 +547,7 @@ class _HandingBack(TorchDispatchMode):
     def __init__(self, saved: Saved, fingerprints: bool = False) -> None:
         super().__init__()
         self.saved = saved
-        self.counts: Dict[Any, int] = collections.defaultdict(int)
+        self.counts: Dict[int, int] = collections.defaultdict(int)  # by the operation's id (see _Op)
         self.lined_up = True
         #: under forward mode: each handed-back call's arguments must match the forward's fingerprint
         self.fingerprints = fingerprints
@@ -523,12 +555,17 @@ class _HandingBack(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        self.saved.spoil_written(func, args, kwargs)  # a write into what was handed back
-        if not self.lined_up or func in _IGNORED:
+        op = _ops.get(id(func))
+        if op is None or op.func is not func:
+            op = _op(func)
+        if op.written:
+            self.saved.spoil_written(func, args, kwargs, op.written)  # a write into what was handed back
+        if not self.lined_up or op.ignored:
             return self._run(func, args, kwargs)
-        index = self.counts[func]
-        self.counts[func] = index + 1
-        calls = self.saved.calls.get(func)
+        key = op.key
+        index = self.counts[key]
+        self.counts[key] = index + 1
+        calls = self.saved.calls.get(key)
         if calls is None or index >= len(calls):
             return self._not_lined_up(func, args, kwargs)
         entry = calls[index]
@@ -552,6 +589,8 @@ class _HandingBack(TorchDispatchMode):
         if device is not None:  # offloaded: back to its device
             return tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, Tensor) else t, kept)
         # a new tensor on the same memory: the levels above record this call as the operation's own
+        if isinstance(kept, Tensor):
+            return kept.detach()
         return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, kept)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
