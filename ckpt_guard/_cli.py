@@ -503,8 +503,6 @@ def _innermost_module(tb: Optional[TracebackType]) -> Optional[str]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import ckpt_guard
-
     if args.module is not None:
         if not args.module:
             raise UsageError("argument -m: expected a module name")

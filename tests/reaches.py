@@ -162,7 +162,7 @@ def _with_namespace(w, x, ckpt):
 
 def _hooked(w, x, ckpt):
     lin = Linear3()
-    handle = lin.register_forward_hook(lambda module, inputs, out: out * (1 + w.sum()))
+    lin.register_forward_hook(lambda module, inputs, out: out * (1 + w.sum()))
     return ckpt(lin, x)  # the hook stays registered (the module is this call's own)
 
 

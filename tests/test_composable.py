@@ -12,7 +12,6 @@ import contextlib
 import functools
 import itertools
 import os
-import sys
 import warnings
 
 import pytest

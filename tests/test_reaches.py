@@ -17,7 +17,7 @@ from reaches import LIFTED, REACHES, RESET_AFTER_THE_CALL, TRANSFORMS, plain, ru
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_guard
-from ckpt_guard import CheckpointCompositionError, _composable
+from ckpt_guard import CheckpointCompositionError
 
 pytestmark = pytest.mark.usefixtures("guard")
 
@@ -56,7 +56,6 @@ def test_public_checkpoint_is_right_or_refuses(reach, transform):
 def test_fallback_is_right(reach, transform, entry):
     reference = _reference(reach, transform)
     ckpt = ckpt_guard.checkpoint if entry == "public" else _torch_checkpoint
-    before = _composable.counters.RECOMPUTES
     with ckpt_guard.policy("fallback"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = run(reach, transform, ckpt)

@@ -11,8 +11,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.utils.checkpoint  # torch 2.4's `import torch` does not import it
-from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, peek_interpreter_stack
-from torch.autograd import forward_ad
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+from torch._C._functorch import peek_interpreter_stack  # noqa: F401 - the state package's, from here
+from torch.autograd import forward_ad  # noqa: F401 - the state package's, from here
 
 
 #: torch.utils.checkpoint's globals (set_checkpoint_early_stop's switch lives there)
