@@ -3,6 +3,7 @@
     python benchmarks/blocks.py             # about a minute on 2 CPU cores
     python benchmarks/blocks.py --quick     # smoke run
     python benchmarks/blocks.py --profile   # cProfile of the tiny grad step (what the time goes to)
+    python benchmarks/blocks.py --rows 1024 # the residual small blocks with 1024 rows, grad only
 
 One process, one thread.  Four steps per model, taking turns (the machine's
 drift cancels), the fastest of ``--repeat`` rounds each:
@@ -63,7 +64,7 @@ def build(torch, width, depth, rows, residual):
     return Model(), torch.randn(rows, width)
 
 
-def steps(torch, model, x):
+def steps(torch, model, x, per_sample=True):
     import ckpt_guard
     from torch.func import functional_call, grad, vmap
     from torch.utils.checkpoint import checkpoint
@@ -94,14 +95,16 @@ def steps(torch, model, x):
         "eager checkpoint": eager(eager_ckpt),
         "grad": transformed(None, False),
         "grad, ckpt_guard.checkpoint": transformed(ckpt_guard.checkpoint, False),
-        "vmap(grad)": transformed(None, True),
-        "vmap(grad), ckpt_guard.checkpoint": transformed(ckpt_guard.checkpoint, True),
     }
+    if per_sample:
+        found["vmap(grad)"] = transformed(None, True)
+        found["vmap(grad), ckpt_guard.checkpoint"] = transformed(ckpt_guard.checkpoint, True)
     context_fn = save_matmuls_context(torch)
     if context_fn is not None:  # a save policy (issue 31): matmuls kept, the rest recomputed
         saving = lambda block, h: ckpt_guard.checkpoint(block, h, context_fn=context_fn)  # noqa: E731
         found["grad, save matmuls"] = transformed(saving, False)
-        found["vmap(grad), save matmuls"] = transformed(saving, True)
+        if per_sample:
+            found["vmap(grad), save matmuls"] = transformed(saving, True)
     return found
 
 
@@ -117,8 +120,8 @@ def save_matmuls_context(torch):
     return functools.partial(tuc.create_selective_checkpoint_contexts, [aten.mm.default, aten.addmm.default])
 
 
-def measure(torch, model, x, repeat, inner):
-    runs = steps(torch, model, x)
+def measure(torch, model, x, repeat, inner, per_sample=True):
+    runs = steps(torch, model, x, per_sample)
     for step in runs.values():
         step()  # warm-up
     best = {name: float("inf") for name in runs}
@@ -144,6 +147,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sort", default="tottime", help="with --profile: the pstats sort key")
+    parser.add_argument(
+        "--rows", type=int, help="only the residual small blocks, with this many rows, under grad (where a save "
+        "policy's saving grows with the matmuls; per-sample gradients of every row would take gigabytes)",
+    )
     args = parser.parse_args()
     import warnings
 
@@ -167,12 +174,16 @@ def main() -> int:
         return 0
     repeat = 3 if args.quick else args.repeat
     print(f"torch {torch.__version__}, one thread, fastest of {repeat} rounds, steps taking turns")
-    for name, spec in MODELS.items():
+    models = MODELS
+    if args.rows is not None:
+        small = next(spec for name, spec in MODELS.items() if "small" in name)
+        models = {f"residual: {small['depth']} x 2 x Linear({small['width']}), {args.rows} rows": {**small, "rows": args.rows}}
+    for name, spec in models.items():
         if args.quick and "medium" in name:
             continue
         model, x = build(torch, **spec)
-        inner = 20 if spec["width"] <= 8 else (2 if spec["width"] >= 512 else 5)
-        best = measure(torch, model, x, repeat, inner)
+        inner = 20 if spec["width"] <= 8 else (2 if spec["width"] >= 512 or spec["rows"] >= 1024 else 5)
+        best = measure(torch, model, x, repeat, inner, per_sample=args.rows is None)
         depth = spec["depth"]
         eager_added = (best["eager checkpoint"] - best["eager"]) / depth
         print(f"\n{name}")
@@ -181,6 +192,8 @@ def main() -> int:
         print(f"  torch's eager checkpoint adds {eager_added * 1e6:8.1f} µs per block "
               f"({best['eager checkpoint'] / best['eager']:.2f}x the eager step)")
         for kind in ("grad", "vmap(grad)"):
+            if kind not in best:
+                continue
             added = (best[f"{kind}, ckpt_guard.checkpoint"] - best[kind]) / depth
             print(f"  ckpt_guard.checkpoint under {kind:10} adds {added * 1e6:8.1f} µs per block: "
                   f"{added / eager_added:.2f}x torch's eager checkpoint's (target <= 2); "

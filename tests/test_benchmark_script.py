@@ -100,3 +100,21 @@ def test_policies_quick_measures_every_variant_and_their_results_agree():
     assert proc.stdout.count("results equal: yes") == 3, proc.stdout
     for variant in ("no checkpoint", "save nothing", "save matmuls", "save named"):
         assert proc.stdout.count(f"| {variant} | ") == 3, proc.stdout
+
+
+def test_blocks_rows_runs_the_residual_blocks_under_grad_only():
+    """``benchmarks/blocks.py --rows N``: the residual small blocks at N rows, grad only (per-sample
+    gradients of every row would take gigabytes), with the save policy's share of the recompute's cost."""
+    import torch.utils.checkpoint as tuc
+
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "blocks.py"), "--rows", "16", "--repeat", "1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "residual: 6 x 2 x Linear(256), 16 rows" in out, out
+    assert "ckpt_guard.checkpoint under grad       adds" in out, out
+    assert "vmap(grad)" not in out and "tiny" not in out and "medium" not in out, out
+    # torch 2.5+ has selective checkpointing: the policy's line is there
+    assert ("with matmuls saved" in out) == hasattr(tuc, "create_selective_checkpoint_contexts"), out
