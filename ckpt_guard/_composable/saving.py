@@ -115,20 +115,22 @@ _INPLACE_VIEW = torch.Tag.inplace_view
 
 
 class _Op:
-    """What the modes need to know of one operation, read once from its schema.
+    """What the modes need to know of one operation, read once from its schema (the one cache of it).
 
     The modes run per operation, and an ``OpOverload``'s ``__hash__`` is a Python method
     (measured: five hashes per operation and mode were a fifth of the modes' own time), so
-    they look an operation up once, by ``id``, and key their per-operation tables by it.
+    they look an operation up once, by ``id`` (:func:`_op`), and key their per-operation
+    tables by it.
     """
 
-    __slots__ = ("func", "key", "ignored", "keepable", "written")
+    __slots__ = ("func", "key", "ignored", "keepable", "written", "computes")
 
     def __init__(self, func: Any) -> None:
         self.func, self.key = func, id(func)  # held: its id is not reused while it is cached here
         self.ignored = func in _IGNORED
         self.keepable = _keepable(func)
         self.written = _written_arguments(func)
+        self.computes = _computes(func, self.keepable)
 
 
 _ops: Dict[int, _Op] = {}
@@ -141,21 +143,14 @@ def _op(func: Any) -> _Op:
     return op
 
 
-_keepable_cache: Dict[Any, bool] = {}
-
-
 def _keepable(func: Any) -> bool:
     """An operation whose outputs may be handed back: new tensors, nothing written, no random draw."""
-    known = _keepable_cache.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = (
-            isinstance(func, torch._ops.OpOverload) and schema is not None and not schema.is_mutable
-            and all(r.alias_info is None for r in schema.returns) and _NONDETERMINISTIC not in func.tags
-            and func not in _IGNORED
-        )
-        _keepable_cache[func] = known
-    return known
+    schema = getattr(func, "_schema", None)
+    return (
+        isinstance(func, torch._ops.OpOverload) and schema is not None and not schema.is_mutable
+        and all(r.alias_info is None for r in schema.returns) and _NONDETERMINISTIC not in func.tags
+        and func not in _IGNORED
+    )
 
 
 _PLAIN = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -187,20 +182,13 @@ def _address(t: Tensor) -> int:
         return id(t)
 
 
-_written_cache: Dict[Any, tuple] = {}
-
-
 def _written_arguments(func: Any) -> tuple:
     """The positions of the arguments ``func`` writes into the memory of (an in-place view op,
     ``squeeze_`` under vmap, changes a view's shape, not the memory: none)."""
-    known = _written_cache.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = () if schema is None or not schema.is_mutable or _INPLACE_VIEW in func.tags else tuple(
-            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
-        _written_cache[func] = known
-    return known
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable or _INPLACE_VIEW in func.tags:
+        return ()
+    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _arguments_of(func: Any, args: tuple, kwargs: dict) -> list:
@@ -238,20 +226,17 @@ def _fingerprint(args: tuple, kwargs: dict) -> tuple:
 
 
 _F64 = torch.float64
-_computes_cache: Dict[Any, bool] = {}
 
 
-def _computes(func: Any) -> bool:
+def _computes(func: Any, keepable: bool) -> bool:
     """An operation that computes new tensors (the report lists it; views, in-place ops and metadata
-    queries such as ``is_same_size`` are only counted)."""
-    known = _computes_cache.get(func)
-    if known is None:
-        schema = getattr(func, "_schema", None)
-        known = (_keepable(func) or _NONDETERMINISTIC in getattr(func, "tags", ())) and schema is not None and any(
-            str(r.type).startswith("Tensor") for r in schema.returns
-        )
-        _computes_cache[func] = known
-    return known
+    queries such as ``is_same_size`` are only counted).  ``keepable``: :func:`_keepable`'s answer."""
+    schema = getattr(func, "_schema", None)
+    return (keepable or _NONDETERMINISTIC in getattr(func, "tags", ())) and schema is not None and any(
+        str(r.type).startswith("Tensor") for r in schema.returns
+    )
+
+
 _ADD = torch.ops.aten.add.Tensor
 #: matrix products (a naming policy keeps one of these instead of the bias ``add`` after it)
 _DOTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default})
@@ -520,9 +505,7 @@ class _Recording(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        op = _ops.get(id(func))
-        if op is None or op.func is not func:
-            op = _op(func)
+        op = _op(func)
         if op.ignored:
             return out
         saved = self.saved
@@ -555,9 +538,7 @@ class _HandingBack(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        op = _ops.get(id(func))
-        if op is None or op.func is not func:
-            op = _op(func)
+        op = _op(func)
         if op.written:
             self.saved.spoil_written(func, args, kwargs, op.written)  # a write into what was handed back
         if not self.lined_up or op.ignored:
@@ -594,8 +575,10 @@ class _HandingBack(TorchDispatchMode):
         return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, kept)
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        if self.report is not None and func not in _IGNORED:
-            self.report.ran(func, _computes(func))
+        if self.report is not None:
+            op = _op(func)
+            if not op.ignored:
+                self.report.ran(func, op.computes)
         return func(*args, **kwargs)
 
     def _not_lined_up(self, func: Any, args: tuple, kwargs: dict) -> Any:
