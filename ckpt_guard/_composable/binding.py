@@ -47,7 +47,7 @@ import functools
 import sys
 import threading
 import types
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,7 +83,10 @@ class _Slots(dict):
     def __setitem__(self, key: str, value: Any) -> None:
         view = self.views.get(_get_ident())
         if view is not None and key in view:
-            view[key] = value  # this thread rebinds its own binding (a block's own swap)
+            # this thread rebinds its own binding (a block's own swap): see :func:`rebinding`
+            new = rebinding(value, dict.get(self, key, _ABSENT))
+            if new is not _ABSENT:
+                view[key] = new
         else:
             dict.__setitem__(self, key, value)
 
@@ -137,7 +140,9 @@ class _ThreadAttribute:
         views = _attribute_views.get(id(obj))
         view = views.get(_get_ident()) if views else None
         if view is not None and self.name in view:
-            view[self.name] = value
+            new = rebinding(value, obj.__dict__.get(self.name, _ABSENT))
+            if new is not _ABSENT:
+                view[self.name] = new
         else:
             obj.__dict__[self.name] = value
 
@@ -148,6 +153,54 @@ class _ThreadAttribute:
             del view[self.name]
         elif obj.__dict__.pop(self.name, _ABSENT) is _ABSENT:
             raise AttributeError(self.name)
+
+
+#: thread id -> the recomputes binding on it, innermost last: (the call's tensors as weak
+#: references by id, the recompute's tensors), for :func:`as_recomputed`
+_recomputed_as: Dict[int, List[Tuple[Dict[int, Any], Sequence[Any]]]] = {}
+
+
+def rebinding(value: Any, own: Any) -> Any:
+    """What a bound slot holds after the block, in this thread's recompute, writes ``value`` there
+    (``own``: what the module itself holds there); :data:`_ABSENT`: the binding stays as it is.
+
+    A tensor of the call is the recompute's tensor for it (:func:`as_recomputed`); the
+    module's own tensor, written back, is no swap: the binding already stands for it as
+    the forward read it (higher refills its fast weights from the newest ones, which a
+    meta-optimizer may have re-bound since); anything else (a number, a tensor the block
+    made) is the block's own write.
+    """
+    new = as_recomputed(value)
+    if new is value and isinstance(value, Tensor) and value is own:
+        return _ABSENT
+    return new
+
+
+def as_recomputed(value: Any) -> Any:
+    """What a block writing ``value`` into a slot it is bound on means by it, in this thread's recompute.
+
+    A block may bind its own tensors as it runs (higher's patched modules put
+    the fast weights from a list of their own into ``_parameters`` at each
+    call).  In the first forward those are the call's tensors, which the plan
+    lifted; in a recompute the write would put them back over the recompute's
+    own, whose gradient would then be lost (higher's fast weights got None).
+    So a tensor of the call written there is the recompute's tensor for it; and
+    the module's own tensor written there (what its ``_parameters`` holds now,
+    which a meta-optimizer may have re-bound since: higher refills its fast
+    weights from the newest ones) leaves the binding as it is, since the
+    binding *is* the module's own tensor as the forward read it.
+    """
+    stack = _recomputed_as.get(_get_ident())
+    if not stack:
+        return value
+    originals, tensors = stack[-1]
+    if isinstance(value, Tensor):
+        found = originals.get(id(value))
+        return tensors[found[1]] if found is not None and found[0]() is value else value
+    if type(value) in (list, tuple):  # an RNN's _flat_weights, set from the same box
+        items = [as_recomputed(item) if isinstance(item, Tensor) else item for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+    return value
 
 
 class _SlotsInstalled:
@@ -237,24 +290,54 @@ def _bind_attributes(module: Module, names: List[str], delta: int) -> None:
 Binding = Tuple[Module, str, str, Any]  # (module, "_parameters" | "_buffers" | "__dict__", name, value)
 
 
-def bound(bindings: List[Binding]) -> "_Bound":
-    """This thread reads each binding's value at ``module.<name>``; others read the module's own."""
-    return _Bound(bindings)
+#: thread id -> the bindings entered on it, innermost last (:func:`bindings_here`)
+_entered: Dict[int, List[List[Binding]]] = {}
+_entered_count = [0]  # over every thread: on the usual call none is entered, and one read says so
+
+
+def bindings_here() -> Optional[List[Binding]]:
+    """The bindings this thread is inside (a recompute replaying the forward's world), outermost
+    first; None where there are none (the usual call).
+
+    A checkpoint called inside such a recompute (a nested one) reads what the bindings
+    show; its own recompute comes later, when they are gone, so it is run inside them again.
+    """
+    if not _entered_count[0]:
+        return None
+    entered = _entered.get(_get_ident())
+    if not entered:
+        return None
+    return [binding for bindings in entered for binding in bindings]
+
+
+def bound(bindings: List[Binding], recomputed_as: Optional[Tuple[Dict[int, Any], Sequence[Any]]] = None) -> "_Bound":
+    """This thread reads each binding's value at ``module.<name>``; others read the module's own.
+
+    ``recomputed_as``: (the call's tensors, ``{id: (weak reference, index)}``; the
+    recompute's tensors by index): a bound slot the block writes one of the
+    call's tensors into gets the recompute's instead (:func:`as_recomputed`).
+    """
+    return _Bound(bindings, recomputed_as)
 
 
 class _Bound:
     """:func:`bound`'s context (a class, not a generator: entered once per recompute)."""
 
-    __slots__ = ("bindings", "stores", "attributes", "previous")
+    __slots__ = ("bindings", "stores", "attributes", "previous", "recomputed_as")
 
-    def __init__(self, bindings: List[Binding]) -> None:
+    def __init__(self, bindings: List[Binding], recomputed_as: Optional[tuple] = None) -> None:
         self.bindings = bindings
+        self.recomputed_as = recomputed_as
 
     def __enter__(self) -> None:
         bindings = self.bindings
         if not bindings:
             return
         thread = _get_ident()
+        if self.recomputed_as is not None:
+            _recomputed_as.setdefault(thread, []).append(self.recomputed_as)
+        _entered.setdefault(thread, []).append(bindings)
+        _entered_count[0] += 1
         stores: List[Tuple[Module, str]] = []
         attributes: Dict[int, Tuple[Module, List[str]]] = {}
         seen = set()
@@ -291,6 +374,16 @@ class _Bound:
         if not self.bindings:
             return
         thread = _get_ident()
+        entered = _entered[thread]
+        entered.pop()
+        if not entered:
+            del _entered[thread]
+        _entered_count[0] -= 1
+        if self.recomputed_as is not None:
+            stack = _recomputed_as[thread]
+            stack.pop()
+            if not stack:
+                del _recomputed_as[thread]
         for views, view, name, was in reversed(self.previous):
             if was is _ABSENT:
                 view.pop(name, None)
@@ -325,6 +418,27 @@ def _user_function(value: Any) -> bool:
     return isinstance(value, types.FunctionType) and (
         (getattr(value, "__module__", None) or "").split(".")[0] not in _reads._LIBRARY_ROOTS
     )
+
+
+def _user_namespace(value: Any) -> bool:
+    """A class, or an object with a ``__dict__``, of the user's code (not torch's, not a module of Python's)."""
+    if isinstance(value, (types.ModuleType, Tensor, Module)) or callable(value) and not isinstance(value, type):
+        return False
+    owner = value if isinstance(value, type) else type(value)
+    if (getattr(owner, "__module__", None) or "").split(".")[0] in _reads._LIBRARY_ROOTS:
+        return type(value) is types.SimpleNamespace
+    try:
+        return isinstance(vars(value), (dict, types.MappingProxyType))
+    except TypeError:  # no __dict__
+        return False
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned later)
+        return False
+    return True
 
 
 class Hole:
@@ -478,21 +592,28 @@ class _Rebuild:
         return out, any_changed
 
     def _function(self, function: types.FunctionType) -> Tuple[Any, bool]:
-        """A copy with new closure cells (frozen: later rebinding is not seen) and defaults."""
+        """A copy with new closure cells (frozen: later rebinding is not seen) and defaults.
+
+        The copy exists before its cells are filled, so a function reaching itself
+        through its closure (a recursive helper, ``nest`` calling ``nest``) reaches
+        the copy, whose cells hold the chosen tensors at every depth, not the
+        original, which would read the call's tensors from the second call down.
+        """
         any_changed = False
         cells = function.__closure__
-        new_cells = None
+        copied = None
         if cells:
-            new_cells = []
-            for cell in cells:
-                try:
-                    content = cell.cell_contents
-                except ValueError:  # an empty cell (a name assigned later)
-                    new_cells.append(cell)
+            new_cells = tuple(types.CellType() if _filled(cell) else cell for cell in cells)
+            copied = types.FunctionType(
+                function.__code__, function.__globals__, function.__name__, function.__defaults__, new_cells,
+            )
+            self.memo[id(function)] = (copied, False)  # a cycle leads to the copy
+            for cell, new_cell in zip(cells, new_cells):
+                if new_cell is cell:  # an empty cell (a name assigned later): shared
                     continue
-                new, changed = self(content)
+                new, changed = self(cell.cell_contents)
                 any_changed = any_changed or changed
-                new_cells.append(types.CellType(new))
+                new_cell.cell_contents = new
         defaults, d_changed = self._sequence(function.__defaults__ or ())
         kwdefaults = dict(function.__kwdefaults__ or {})
         k_changed = False
@@ -506,11 +627,9 @@ class _Rebuild:
                     self._visit_unbindable(namespace[name])
         if not cells and not (d_changed or k_changed):
             return function, False
-        copied = types.FunctionType(
-            function.__code__, function.__globals__, function.__name__,
-            tuple(defaults) if function.__defaults__ is not None else None,
-            tuple(new_cells) if new_cells is not None else None,
-        )
+        if copied is None:
+            copied = types.FunctionType(function.__code__, function.__globals__, function.__name__)
+        copied.__defaults__ = tuple(defaults) if function.__defaults__ is not None else None
         copied.__kwdefaults__ = kwdefaults or function.__kwdefaults__
         copied.__dict__.update(function.__dict__)
         copied.__qualname__ = function.__qualname__
@@ -529,6 +648,14 @@ class _Rebuild:
                 if isinstance(item, Module):
                     self(item)
                 elif isinstance(item, Tensor) and self.visit is not None:
+                    self.visit(item, False)
+        elif self.visit is not None and _user_namespace(value):
+            # a class of the user's (its class attributes), an object of the user's (a namespace kept
+            # as a global): the tensors there are read unbound, by whatever path the block takes
+            for item in list(vars(value).values())[: self.budget]:
+                if isinstance(item, Module):
+                    self(item)
+                elif isinstance(item, Tensor):
                     self.visit(item, False)
 
     @staticmethod
@@ -632,7 +759,9 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
                 todo.extend(list(modules.values())[known:])
     return Holdings(
         frozen, list(modules.values()), list(held.values()), list(given.values()),
-        [t for k, t in unbindable.items() if k not in held and k not in given], attributes,
+        # every tensor found where no binding reaches, lifted elsewhere or not: the block may read it
+        # there, and a recompute would then read the call's own tensor (its gradient lost)
+        list(unbindable.values()), attributes,
         walk.exhausted or arguments.exhausted, scalars,
     )
 

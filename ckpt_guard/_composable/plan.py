@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
+import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -98,6 +99,12 @@ class Plan:
             self.call_args = template((args, kwargs))[0]
         #: (module, store, name, input index)
         self.slots = [(module, store, name, index[id(tensor)]) for module, store, name, tensor in slots]
+        #: id of each input -> (a weak reference to it, its index), where the block is bound on modules: a
+        #: block that writes one of the call's tensors into its own slot as it runs (higher's patched
+        #: modules, each call) gets the recompute's tensor there (``binding.as_recomputed``)
+        self.originals: Optional[dict] = None
+        if slots or attributes:
+            self.originals = {key: (weakref.ref(inputs[key]), i) for key, i in index.items()}
         #: (module, name, value): the modules' plain numbers, flags and strings at the call (a
         #: timestep set before each call of a shared module, a counter the forward increments);
         #: each run binds those that changed since, so the recompute reads what the forward read
@@ -112,8 +119,11 @@ class Plan:
         for module, name, value in () if held.plain_attributes else attributes:
             hooks = name in _rebind._FORWARD_HOOKS
             kept, holes = template(collections.OrderedDict(value) if hooks else value)
-            self.attributes.append((module, name, kept, hooks))
-            self.templated = self.templated or holes or hooks
+            # an RNN's _flat_weight_refs is bound always too: its forward re-points them at the tensors
+            # a recompute binds, and left in the module they would hide its next swap from it
+            always = hooks or name == "_flat_weight_refs"
+            self.attributes.append((module, name, kept, always))
+            self.templated = self.templated or holes or always
         #: the global module hooks (register_module_forward_hook) at the call, if any: each recompute
         #: runs under them, as the forward did, also after the user removed one
         self.global_hooks = _global_hooks()
@@ -231,7 +241,8 @@ class Plan:
                 if changed or always:
                     bindings.append((module, "__dict__", name, new))
         hooks = _global_hooks_as(self.global_hooks) if self.global_hooks is not None or _global_hooks() else None
-        with _rebind.bound(bindings), hooks or _NO_CONTEXT, _compiled_code_eager():
+        recomputed_as = None if self.originals is None else (self.originals, tensors)
+        with _rebind.bound(bindings, recomputed_as), hooks or _NO_CONTEXT, _compiled_code_eager():
             function = self.function if rebuild is None else rebuild(self.function)[0]
             if self.flat_args is not None:
                 return function(*[tensors[i] for i in self.flat_args])
@@ -343,6 +354,8 @@ class Plan:
             if self.refusal is not None:
                 return output
         read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
+        if read is not None and len(read) < len(inputs):
+            self._bind_what_the_forward_put(read)
         self.versions_after = after if read is None else [v if i in read else None for i, v in enumerate(after)]
         #: (index, requires_grad) of each input the block read, as it read it: each recompute shows it so
         self.requires_grad_read = [(i, need) for i, need in enumerate(self.needs) if read is None or i in read]
@@ -392,6 +405,38 @@ class Plan:
             for t, address in zip(found, addresses)
         ]
 
+    def overlapping_outputs(self, found: Sequence[Tensor]) -> Optional[Reason]:
+        """Why the call cannot be packed, if two of its outputs share memory (``h, h[0]``; ``h, h``).
+
+        Without checkpointing the caller's update in place of one reaches the
+        other, and autograd sees it there; the Function's outputs are tensors of
+        their own, so the write would change the other's values but not its
+        gradient (measured: wrong under every transform).  Disjoint parts of one
+        tensor (``q, k, v = qkv.split(...)``) do not overlap: packed as usual.
+        Outputs that are inputs or views of one are the plain run's own already.
+        """
+        if len(found) < 2:
+            return None
+        spans = {}
+        for i, t in enumerate(found):
+            if i in self.aliases or not _proof.has_graph(t):  # a constant (made under no_grad): no gradient to miss
+                continue
+            span = _proof.memory_span(t)
+            if span is None:
+                continue
+            for j, other in spans.items():
+                if span[0] == other[0] and span[1] < other[2] and other[1] < span[2] and _proof.share_elements(found[j], t):
+                    return Reason(
+                        "aliasing-outputs",
+                        f"two of its outputs share memory (outputs {j} and {i}, of shapes "
+                        f"{tuple(_base(found[j]).shape)} and {tuple(_base(t).shape)}): an update in place of one "
+                        "would reach the other's values but not its gradient through the recompute's outputs",
+                        fix="return one of them and take the other from it after the call (h[..., :2] of the "
+                        "output), or return a copy (h[..., :2].clone())",
+                    )
+            spans[i] = span
+        return None
+
     def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         """The Function's forward: the plain run's outputs, as they arrive at this level (never a rerun)."""
         return tuple(t.detach() for t in tensors[self.n_inputs:])
@@ -425,6 +470,28 @@ class Plan:
                     "take the gradient before the update."
                 )
         return tuple(tensors)
+
+    def _bind_what_the_forward_put(self, read: set) -> None:
+        """A slot the block filled itself, in its forward, with another of its inputs: bind that one.
+
+        higher's patched modules put their fast weights into ``_parameters`` at each
+        call; what a slot held when the call was planned (the module's last call's, or
+        higher's copies) was never read.  Each recompute binds, from the start, the
+        input the forward left there (the block writing it again then changes nothing),
+        so a slot that is read before the block writes it keeps the plan's.
+        """
+        index = None
+        for k, (module, store, name, i) in enumerate(self.slots):
+            if i in read:
+                continue
+            held = (module.__dict__ if store == "__dict__" else module.__dict__[store]).get(name)
+            if not isinstance(held, Tensor):
+                continue
+            if index is None:
+                index = {id(t): j for j, t in enumerate(self.inputs)}
+            j = index.get(id(held))
+            if j is not None and j != i:
+                self.slots[k] = (module, store, name, j)
 
     def _unseen_update(self, check: _proof.ReadCheck, after: List[Optional[int]]) -> Optional[str]:
         """Why the call cannot be packed, if the forward moved an input's version with no copy kept."""
