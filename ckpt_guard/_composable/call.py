@@ -56,10 +56,12 @@ def plan(
     built = Plan(function, args, kwargs, held, context_fn)
     if why is None:
         lifted = {id(t) for t in built.inputs}
-        unlifted = [t for t in held.unbindable if id(t) not in lifted and _carries_gradient(t)]
+        unlifted = [t for t in held.unbindable if _carries_gradient(t)]
         if unlifted:
             names = _global_names(function, unlifted[0])
-            which = f"the global {names}" if names else "a global"
+            which = f"the global {names}" if names else "a global, a class attribute or a namespace"
+            if id(unlifted[0]) in lifted:  # lifted where it is bound, but reachable where it is not
+                which += " (it is given to the block another way too, but the recompute could read it there)"
             why = Reason(
                 "global-tensor",
                 f"it reads a tensor that needs a gradient through {which}, which cannot be passed to "
@@ -94,7 +96,13 @@ def _why_not_packed(function: Any, args: tuple, kwargs: dict) -> Optional[str]:
         return Reason("functionalize", "functionalize does not transform custom autograd Functions")
     if stack.count("jvp") > 1:  # measured: jvp(jvp(...)), jacfwd(jacfwd(...)) get zero tangents
         return Reason(
-            "forward-over-forward", "forward-mode AD over forward-mode AD does not differentiate through a custom jvp"
+            "forward-over-forward", "forward-mode AD over forward-mode AD does not differentiate through a custom jvp",
+            fix=(
+                "take the inner derivative by reverse mode: jacrev(jacrev(f)) for a Hessian (or a Laplacian) "
+                "instead of hessian / jacfwd(jacrev(f)), grad(grad(f)) instead of jvp over jvp: the composable "
+                "recompute then runs every level and keeps the memory saving (jvp(grad(loss)) over such a loss "
+                "included)"
+            ),
         )
     # torch.func.jvp runs inside a dual level of its own; outside it, a dual level is the user's
     if _state.forward_ad._current_level >= 0 and "jvp" not in transforms:
@@ -151,13 +159,22 @@ def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) ->
 
 
 def _global_names(function: Any, tensor: Tensor) -> str:
-    """``W`` or ``W, W2``: the module-level names the block's code reads ``tensor`` through, for messages."""
+    """``W``, ``W, W2`` or ``Holder.w``: the module-level names (or a class's or a namespace's attribute
+    held there) the block's code reads ``tensor`` through, for messages."""
     code_owners = [function, getattr(function, "func", None), getattr(getattr(function, "forward", None), "__func__", None)]
-    names = []
+    names: list = []
     for owner in code_owners:
         namespace = getattr(owner, "__globals__", None)
-        if isinstance(namespace, dict):
-            names += [name for name, value in namespace.items() if value is tensor and name not in names]
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in namespace.items():
+            if value is tensor:
+                found = [name]
+            elif _rebind._user_namespace(value):
+                found = [f"{name}.{attribute}" for attribute, held in list(vars(value).items()) if held is tensor]
+            else:
+                continue
+            names += [n for n in found if n not in names]
     return ", ".join(names)
 
 
@@ -227,6 +244,10 @@ def _run(built: Plan) -> Any:
         built.release()
         raise Refused(reason, output)
     precomputed = built.precomputed(output)
+    overlap = built.overlapping_outputs(found)
+    if overlap is not None:  # outputs sharing memory: the Function's would not, so a write into one would miss the other
+        built.release()
+        raise Refused(overlap, output)
     if len(built.aliases) == len(found):  # every output is an input or a view of one: nothing to save
         built.release()
         built.unpacked = NOTHING_TO_SAVE
@@ -241,6 +262,17 @@ def _run(built: Plan) -> Any:
     # of what the forward started from: the Function saves that, so a later update of the live one (the
     # same module called again) is no change to what this recompute reads
     operands = [built.pre_forward.get(i, t) for i, t in enumerate(built.inputs)] if built.pre_forward else built.inputs
+    if built.read is not None and len(built.read) < len(operands):
+        # an input the forward never read (a stale tensor an RNN's _flat_weights still holds after a
+        # functional_call, a parameter of a submodule the block did not call) is handed in cut from its
+        # graph: without checkpointing nothing connects it to the outputs, so neither may the Function
+        # (a zero gradient into it would run its old, freed graph)
+        # (an eager tensor only: a torch.func wrapper of a level gone since is left as it is, which
+        # nothing differentiates, and detaching it trips functorch's "escaped?" assertion)
+        operands = [
+            t if i in built.read or _state.is_functorch_wrapped_tensor(t) or not t.requires_grad else t.detach()
+            for i, t in enumerate(operands)
+        ]
     if built.aliased_inputs:
         # an input an output aliases: the caller may write into it through that output, as without
         # checkpointing; the Function is handed a copy (connected to it), which no one else can write

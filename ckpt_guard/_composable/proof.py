@@ -123,12 +123,19 @@ class ReadCheck(TorchFunctionMode):
         #: an operation ran whose reads it cannot see (an autograd.Function's forward, whole): ``read``
         #: then says nothing about what the block did not read
         self.unseen_reads = False
+        #: autograd's next node number when the last operation the mode saw returned: a node made
+        #: between two operations was made where no mode sees it (see :meth:`check_outputs`)
+        self.next_node = self.first_node
+        self.unseen_nodes = False
+        self.given_tensors: Sequence[Any] = ()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         if kwargs is None:
             kwargs = {}
         if self.refused is not None:  # the call will not be packed: run it as it is
             return func(*args, **kwargs)
+        if _get_sequence_nr() != self.next_node:
+            self.unseen_nodes = True
         kind = _KINDS.get(func)
         if kind is None:
             kind = _kind_of(func)
@@ -175,6 +182,7 @@ class ReadCheck(TorchFunctionMode):
             for item in out:
                 if isinstance(item, Tensor):
                     known.add(id(item))
+        self.next_node = _get_sequence_nr()
         return out
 
     def _note_function(self, func: Any, args: tuple) -> None:
@@ -259,13 +267,16 @@ class ReadCheck(TorchFunctionMode):
             return
         self.generators[id(generator)] = (generator, generator.get_state())
 
-    def _refuse(self, tensor: Tensor, operation: str, write: bool = False, outside: bool = False) -> None:
+    def _refuse(
+        self, tensor: Tensor, operation: str, write: bool = False, outside: bool = False, site: Optional[str] = None,
+    ) -> None:
         if self.refused is None:
-            self.refused = Unlifted(tensor, operation, _block_site(), write, outside)
+            self.refused = Unlifted(tensor, operation, site or _block_site(), write, outside)
 
     def given(self, tensors: Sequence[Any]) -> None:
         """Tensors the block is given (the recompute's inputs, at the caller's levels)."""
         self.known.update(id(t) for t in tensors if isinstance(t, Tensor))
+        self.given_tensors = tensors
         if self.sources:
             self.index_of = {id(t): i for i, t in enumerate(tensors) if isinstance(t, Tensor)}
 
@@ -337,6 +348,57 @@ class ReadCheck(TorchFunctionMode):
         for t in tensors:
             if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t) and not self._computed(t):
                 self._refuse(t, "returned")
+        if self.refused is None and (self.unseen_nodes or _get_sequence_nr() != self.next_node):
+            self._check_graph(tensors)
+
+    def _check_graph(self, outputs: Sequence[Any]) -> None:
+        """Where the block made autograd nodes no mode saw, what its outputs' graph reaches.
+
+        Operations run with torch functions off (``torch._C.DisableTorchFunction()``,
+        a C extension) read tensors the mode never sees, and their results count
+        as computed (their nodes are new).  Their reads still show in the graph:
+        walking back from the outputs through the nodes the forward made, every
+        path must end in a node of a given tensor or in a leaf that was given.
+        A leaf, or an older node, of anything else is a tensor needing a gradient
+        read unseen: refused.  Walked only where such nodes were made (a
+        ``torch.func.grad`` inside the block makes them too, legitimately).
+        """
+        given = [t for t in self.given_tensors if isinstance(t, Tensor)]
+        given_ids = {id(t) for t in given}
+        given_nodes = {id(n): t for t, n in ((t, t.grad_fn) for t in given) if n is not None}
+        nodes_alive = [t.grad_fn for t in given]  # the ids above stay theirs while this runs
+        first, seen, index_of, read = self.first_node, set(), self.index_of, self.read
+        for output in outputs:
+            if not isinstance(output, Tensor) or output.grad_fn is None:
+                continue
+            stack = [output.grad_fn]
+            while stack:
+                node = stack.pop()
+                if node is None or id(node) in seen:
+                    continue
+                seen.add(id(node))
+                owner = given_nodes.get(id(node))
+                if owner is not None:  # a given tensor's history: read (unseen) by the block
+                    if id(owner) in index_of:
+                        read.add(index_of[id(owner)])
+                    continue
+                variable = getattr(node, "variable", None)
+                if variable is not None:  # AccumulateGrad: a leaf
+                    if id(variable) in index_of:
+                        read.add(index_of[id(variable)])
+                    elif id(variable) not in given_ids and id(variable) not in self.known:
+                        self._refuse(variable, _UNSEEN_OPERATION, site=_UNSEEN_SITE)
+                        return
+                elif node._sequence_nr() < first:  # made before the forward: an outside tensor's history
+                    self._refuse(output, f"{_UNSEEN_OPERATION}, and returned what it computed", site=_UNSEEN_SITE)
+                    return
+                else:
+                    stack.extend(n for n, _ in node.next_functions)
+        del nodes_alive
+
+
+_UNSEEN_OPERATION = "an operation run with torch functions off (torch._C.DisableTorchFunction(), a C extension)"
+_UNSEEN_SITE = "a line of the block no mode sees (found in the graph of what it returned)"
 
 
 def _differentiable_copy(source: Tensor) -> Tensor:
@@ -441,6 +503,77 @@ def _storage_address(tensor: Tensor) -> Optional[int]:
         return tensor.untyped_storage().data_ptr() or None
     except Exception:  # noqa: BLE001 - a tensor without storage (meta, a subclass): matched by identity only
         return None
+
+
+def memory_span(tensor: Tensor) -> Optional[tuple]:
+    """``(storage address, first byte, end byte)`` a tensor's elements lie in (through torch.func's
+    wrappers: a batched one spans its whole batch); None where there is none to read."""
+    try:
+        while is_functorch_wrapped_tensor(tensor):
+            tensor = _get_unwrapped(tensor)
+        address = tensor.untyped_storage().data_ptr()
+        if not address or tensor.numel() == 0:
+            return None
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size
+        extent = sum((n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride())) + 1
+        return address, start, start + extent * size
+    except Exception:  # noqa: BLE001 - a tensor without storage (meta, a subclass): not compared
+        return None
+
+
+def _bottom(tensor: Tensor) -> Tensor:
+    while is_functorch_wrapped_tensor(tensor):
+        tensor = _get_unwrapped(tensor)
+    return tensor
+
+
+def share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose memory spans overlap (:func:`memory_span`) share an element.
+
+    Exact for views of one tensor with the same strides (``qkv.split(...)``, ``chunk``,
+    ``narrow``: disjoint column blocks interleave in memory but share nothing); any other
+    pair whose spans overlap counts as sharing (``h`` and ``h.view(-1)``: they do).
+    """
+    a, b = _bottom(a), _bottom(b)
+    if a.stride() != b.stride() or a.dim() != b.dim():
+        return True
+    difference = b.storage_offset() - a.storage_offset()
+    dims = sorted(
+        ((abs(st), na, nb) for st, na, nb in zip(a.stride(), a.shape, b.shape) if max(na, nb) > 1 and st),
+        reverse=True,
+    )
+    if any(st < 0 for st in a.stride()):
+        return True
+    reach = [0] * (len(dims) + 1)  # how far the dims after k can move an offset either way
+    for k in range(len(dims) - 1, -1, -1):
+        st, na, nb = dims[k]
+        reach[k] = reach[k + 1] + st * max(na - 1, nb - 1)
+    steps = [0]
+
+    def meets(k: int, rest: int) -> bool:  # rest = sum over dims k.. of (i - j) * stride, i in a, j in b
+        if k == len(dims):
+            return rest == 0
+        st, na, nb = dims[k]
+        low = max(-(nb - 1), -((reach[k + 1] - rest) // st))
+        high = min(na - 1, (rest + reach[k + 1]) // st)
+        for c in range(low, high + 1):
+            steps[0] += 1
+            if steps[0] > 4096 or meets(k + 1, rest - c * st):
+                return True  # found one (or too many to look at: counted as sharing)
+        return False
+
+    return meets(0, difference)
+
+
+def has_graph(tensor: Tensor) -> bool:
+    """Whether some level of ``tensor`` (itself, or what torch.func's wrappers hold) was made by autograd."""
+    while True:
+        if tensor.grad_fn is not None:
+            return True
+        if not is_functorch_wrapped_tensor(tensor):
+            return False
+        tensor = _get_unwrapped(tensor)
 
 
 _UPDATING = frozenset({

@@ -80,6 +80,7 @@ REFUSAL_CLASSES = {
     "unseen-update": "an input's memory changed in a way no torch function showed (a C extension)",
     "overlapping-write": "the block updates in place an input that shares memory with another input it is given",
     "long-container": "the block changes a container too long to keep a copy of",
+    "aliasing-outputs": "two of the block's outputs share memory (h, h[0]): a write into one would miss the other's gradient",
 }
 
 
