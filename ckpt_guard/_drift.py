@@ -33,9 +33,10 @@ from ._messages import (
     describe_checkpointed, describe_site, describe_variant, user_frame, your_code,
 )
 from ._rules import DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
-from ._rules import RNG_RULE as _RNG_RULE, Rule
+from ._rules import BUFFER_WRITES_RULE as _BUFFERS_RULE, RNG_RULE as _RNG_RULE, Rule
 
 _is_grad_enabled = _state.is_grad_enabled
+_GONE = _state.GONE
 
 
 # --------------------------------------------------------------------------
@@ -118,6 +119,8 @@ _HOOKS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "blo
 _CONTENTS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "argument_contents")
 _CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
 _GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")
+_ATTRIBUTES_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_attributes")
+_TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
 _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
@@ -146,7 +149,8 @@ _swaps_active = _state.swapped_reads.active
 
 def _checked_call(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
-    modes_managed: bool, drew: Optional[list], reads: Any, nested: Optional[list], /, *args: Any, **kwargs: Any,
+    modes_managed: bool, drew: Optional[list], reads: Any, nested: Optional[list], kept: Optional[list], /,
+    *args: Any, **kwargs: Any,
 ) -> Any:
     """Call ``function``; first compare the state with the forward's if this is a recompute.
 
@@ -155,21 +159,26 @@ def _checked_call(
     always under ``no_grad``, while its recompute runs under ``enable_grad``.
     ``drew`` (``preserve_rng_state=False`` only) records whether the forward
     drew random numbers; the non-reentrant forward is watched by ``_patch``.
+    ``kept``: the buffers of the block's modules in training mode as the call
+    found them (CKG117: each recompute runs on fresh copies of them).
     """
     if not reentrant or _is_grad_enabled():
         TORCH_RECOMPUTES[0] += 1
         state = _capture_without_mode_records(reads, args, kwargs)  # the call's records are what it compares with
-        replays = ()
+        replays: Any = ()
         if _differs(state, forward_state):
             replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
         if drew is not None and drew[0]:
             report_unpreserved_rng(function, reentrant, config, forward_state, site)
-        if replays:  # fallback: the recompute sees what the forward saw
-            with contextlib.ExitStack() as stack:
-                for replay in replays:
-                    stack.enter_context(replay)
-                return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
-        return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
+        if kept is not None:
+            if config.policy_for(_BUFFERS_RULE.id) in ("strict", "fallback"):
+                replays = [*replays, _kept_buffers_bound(kept)]
+            else:  # warn: torch's recompute as it is, then said
+                return _reporting_buffer_writes(
+                    kept, function, reentrant, config, forward_state, site,
+                    lambda: _recompute(function, args, kwargs, replays, reads, config, forward_state, site, nested),
+                )
+        return _recompute(function, args, kwargs, replays, reads, config, forward_state, site, nested)
     if forward_state[_CONTENTS_INDEX] and config.policy_for(_CONTENTS_RULE.id) == "fallback":
         return _reentrant_forward_keeping_the_cache(function, args, forward_state, drew, config, site)
     if drew is None:
@@ -178,6 +187,56 @@ def _checked_call(
     result = function(*args, **kwargs)
     drew[0] = _state.drew_random(before)
     return _watch_output(result, reads, config, forward_state, site, nested)
+
+
+def _recompute(
+    function: Any, args: tuple, kwargs: dict, replays: Any, reads: Any, config: _config.Config,
+    forward_state: tuple, site: tuple, nested: Optional[list],
+) -> Any:
+    """The recompute itself, inside fallback's replays (the recompute sees what the forward saw)."""
+    if replays:
+        with contextlib.ExitStack() as stack:
+            for replay in replays:
+                stack.enter_context(replay)
+            return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
+    return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
+
+
+def _kept_buffers_bound(kept: list) -> Any:
+    """CKG117 under strict and fallback: the block's buffers as the call found them, fresh copies bound
+    for this recompute on its thread (what it writes there is dropped; the module keeps the forward's)."""
+    fresh = [(module, name, _state.keep(copy)) for module, name, copy in kept]
+    return _rebind.bound([(module, "_buffers", name, value) for module, name, value in fresh if value is not None])
+
+
+def _reporting_buffer_writes(
+    kept: list, function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
+    recompute: Any,
+) -> Any:
+    """CKG117 under warn: torch's recompute as it runs, then a warning naming the buffers it updated again."""
+    before = _state.buffers_now(kept)
+    try:
+        return recompute()
+    finally:  # torch's early stop ends its recompute with an exception of its own
+        _report_buffer_writes(kept, before, function, reentrant, config, forward_state, site)
+
+
+def _report_buffer_writes(
+    kept: list, before: list, function: Any, reentrant: bool, config: _config.Config, forward_state: tuple,
+    site: tuple,
+) -> None:
+    written = _state.written_during(kept, before)
+    if written:
+        forward_site_text = _describe_forward_site(site)
+        site_frame, _ = user_frame(sys._getframe(1))
+        _report_at_recompute(
+            _BUFFERS_RULE, config.policy_for(_BUFFERS_RULE.id), forward_site_text,
+            site=describe_site(site_frame), forward_site=forward_site_text,
+            checkpointed=describe_checkpointed(function),
+            transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+            variant=describe_variant(reentrant, None), source=config.source,
+            change=f"the recompute updated {_state.describe_written(written)} a second time",
+        )
 
 
 def _capture_without_mode_records(reads: Any, args: tuple = (), kwargs: Optional[dict] = None) -> tuple:
@@ -368,11 +427,19 @@ def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed
     return relevant is None or relevant(function, was, now)
 
 
-def _quiet_contents_replay(
+#: per drift rule whose Python-values-only changes strict and fallback replay without a word (the
+#: replay is the uncheckpointed program): ``values_only(was, now)``
+_QUIET_WHEN = {
+    _CONTENTS_INDEX: lambda was, now: _state.values_only(was),
+    _ATTRIBUTES_INDEX: _state.attributes_values_only,
+}
+
+
+def _quiet_replays(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
     only: Optional[frozenset],
-) -> list:
-    """CKG112 where only Python values changed (a counter, a log, a step): the replay, no report.
+) -> dict:
+    """``{rule index: replay}`` where only Python values changed (a counter, a log, a step, a timestep).
 
     Under strict and fallback, recomputing with the values the forward read
     and putting the new ones back after is the uncheckpointed program, read
@@ -380,19 +447,22 @@ def _quiet_contents_replay(
     fallback warn about one.  Warn behaves as torch and says so where a
     gradient can depend on the change (a value replaced).
     """
-    was, now = forward_state[_CONTENTS_INDEX], state[_CONTENTS_INDEX]
-    if not (
-        was
-        and (only is None or _CONTENTS_RULE.read in only)
-        and _DRIFT_HOLDS[_CONTENTS_INDEX]
-        and (reentrant or _DRIFT_NON_REENTRANT[_CONTENTS_INDEX])
-        and config.policy_for(_CONTENTS_RULE.id) in ("strict", "fallback")
-        and _differs(was, now)
-        and _state.values_only(was)
-    ):
-        return []
-    replay = _replay(_CONTENTS_RULE, was, now, function)
-    return [replay[0]] if replay else []
+    quiet = {}
+    for index, values_only in _QUIET_WHEN.items():
+        rule, was, now = DRIFT_RULES[index], forward_state[index], state[index]
+        if (
+            was
+            and (only is None or rule.read in only)
+            and _DRIFT_HOLDS[index]
+            and (reentrant or _DRIFT_NON_REENTRANT[index])
+            and config.policy_for(rule.id) in ("strict", "fallback")
+            and _differs(was, now)
+            and values_only(was, now)
+        ):
+            replay = _replay(rule, was, now, function)
+            if replay:
+                quiet[index] = replay[0]
+    return quiet
 
 
 def report_drift(
@@ -413,20 +483,20 @@ def report_drift(
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
-    quiet = _quiet_contents_replay(function, reentrant, config, forward_state, state, only)
+    quiet = _quiet_replays(function, reentrant, config, forward_state, state, only)
     if quiet:
-        changed = [index for index in changed if index != _CONTENTS_INDEX]
+        changed = [index for index in changed if index not in quiet]
     if _BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
         # a functional_call swap began or ended between the forward and now: the tensors it swapped
         # are re-bound too, and CKG101 (the swap) is the one cause to report, not also CKG110
         changed.remove(_BINDINGS_INDEX)
     if not changed:
-        return quiet
+        return list(quiet.values())
     forward_site_text = _describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
     transforms = _state.describe_transforms(forward_state[_TRANSFORMS_INDEX])
     variant = describe_variant(reentrant, None)
-    replays = quiet
+    replays = list(quiet.values())
     for index in changed:
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]
@@ -494,6 +564,14 @@ def _replay(
             "recomputing with each module in the train/eval mode it had in the forward, bound for this "
             "recompute on its thread (policy fallback)"
         )
+    if rule.read == "module_attributes":
+        changes = _state.reattributed(was, function)
+        if not changes or any(value is _GONE for _, _, value in changes):
+            return None  # an attribute the forward did not have: nothing to put back
+        return _rebind.bound([(module, "__dict__", name, value) for module, name, value in changes]), (
+            "recomputing with each attribute as the forward found it, bound for this recompute on its "
+            "thread (what the recompute writes there is dropped) (policy fallback)"
+        )
     if rule.read == "argument_contents":
         changed = _state.changed_at_all(was)  # every value put back, a position counter too
         if not _state.replayable(changed):
@@ -540,7 +618,18 @@ def _derived_bindings(changes: list) -> Optional[list]:
             return None
         _, replaced = flat_weights.setdefault(id(owner), (owner, list(flat)))
         replaced[list(names).index(name)] = value
-    return [(rnn, "__dict__", "_flat_weights", replaced) for rnn, replaced in flat_weights.values()]
+    # its _flat_weight_refs too: the recompute's forward re-points them at the tensors it binds, and
+    # left in the module they would make its next forward think its weights unchanged (and keep
+    # reading the flat weights of the meta-optimizer's step, whose graph is gone)
+    import weakref
+
+    bindings = []
+    for rnn, replaced in flat_weights.values():
+        bindings.append((rnn, "__dict__", "_flat_weights", replaced))
+        refs = rnn.__dict__.get("_flat_weight_refs")
+        if refs is not None:
+            bindings.append((rnn, "__dict__", "_flat_weight_refs", [None if w is None else weakref.ref(w) for w in replaced]))
+    return bindings
 
 
 #: a closure cell is the function's, not the thread's: one replay at a time points cells
@@ -555,6 +644,12 @@ def _forward_bindings(changes: list) -> Any:
     bindings = [
         (owner, "__dict__", name, OrderedDict(value) if store in ("_forward_hooks", "_forward_pre_hooks") else value)
         for owner, store, name, value in changes if store != "cell"
+    ]
+    # ... and in its parameter or buffer dict where the name is still there: what reads the dict (a
+    # checkpoint nested in this recompute asking whether its parameters were swapped) sees them too
+    bindings += [
+        (owner, store, name, value) for owner, store, name, value in changes
+        if store in ("_parameters", "_buffers") and name in owner.__dict__.get(store, ())
     ]
     cells = [(cell, value) for cell, store, _, value in changes if store == "cell"]
     with contextlib.ExitStack() as stack:

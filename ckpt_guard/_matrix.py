@@ -52,7 +52,7 @@ class Row:
     device: str  # "cpu" or "cuda"
     expected: str  # what the table says raw torch does: "raises", "silently wrong", or "ok" (safe)
     raw: str  # measured: "ok", "silently wrong", or "raises: <Type>: <message start>"
-    strict: str  # "raised", "passed", "raised <OTHER ID>", or "error: <Type>: <message start>"
+    strict: str  # "raised", "repaired", "passed", "raised <OTHER ID>", or "error: <Type>: <message start>"
     strict_equal_raw: Optional[bool]  # safe compositions: strict bitwise equal to raw (None: n/a)
     fallback: str  # "ok", "wrong", "raises (by design)", "raises: <Type>: <message start>", or "n/a"
     fallback_actions: List[str] = field(default_factory=list)  # what the guard recorded under fallback
@@ -316,9 +316,14 @@ def measure_rule(rule: Rule, variant: str, device: str = "cpu", composition: Any
                 f"torch {version} raised {short_error(raw.error, 80)} — the table's symptom needs updating"  # type: ignore[arg-type]
             )
 
-    # --- strict: CheckpointCompositionError for this very rule
+    # --- strict: CheckpointCompositionError for this very rule (or, where the table says strict
+    # repairs it without a word, the reference's values)
     strict_id = _error_rule_id(strict.error)
-    if not strict.raised:
+    if rule.repaired_quietly and not strict.raised:
+        strict_text = "repaired" if reference.raised or _close(strict.values, reference.values) else "wrong"
+        if strict_text == "wrong":
+            problems.append(f"GUARD: {label}: strict returned values that differ from the uncheckpointed reference")
+    elif not strict.raised:
         strict_text = "passed"
         problems.append(f"GUARD: {label}: strict let the composition through (no CheckpointCompositionError)")
     elif strict_id == rule.id:

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._state import CallState
 
 __all__ = [
-    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "DEVICE_RULE", "NESTED_OUTPUT_RULE", "RULE_IDS",
+    "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "DEVICE_RULE", "NESTED_OUTPUT_RULE", "BUFFER_WRITES_RULE",
+    "RULE_IDS",
     "rule_by_id", "rules_on",
 ]
 
@@ -91,6 +92,9 @@ class Rule:
     #: CPU; the matrix runs it on CUDA only, ``measured_on`` says where it was
     needs_gpu: bool = False
     measured_on: tuple[str, ...] = MEASURED
+    #: strict and fallback make the recompute right without a word (what they run is the
+    #: uncheckpointed program, so there is nothing to refuse); warn reports it, off ignores it
+    repaired_quietly: bool = False
 
     def symptom_for(self, variant: str) -> str:
         """"raises" or "silently wrong" for one variant."""
@@ -906,6 +910,51 @@ def _probe_user_generator(ckpt, use_reentrant):
     return [y.detach(), *_grads(x, *block.parameters()), block.generator.get_state()]
 
 
+def _probe_attribute_rebound(ckpt, use_reentrant):
+    """A module's own tensor attribute (a scale it keeps, not a parameter) re-bound before .backward()."""
+    import torch
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.scale = torch.tensor([1.0, 2.0, 3.0])
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x) * self.scale)
+
+    torch.manual_seed(0)
+    block = Scaled()
+    x = torch.randn(4, 3, requires_grad=True)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    block.scale = torch.tensor([3.0, 2.0, 1.0])  # set for the next call, before this backward
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+def _probe_instance_forward(ckpt, use_reentrant):
+    """A one-shot edit (nnsight's edit_in, in miniature): a forward put on the instance for one call,
+    taken off before .backward()."""
+    import torch
+
+    class Doubled:  # edits the output of the call it was put there for
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, x):
+            return type(self.module).forward(self.module, x) * 2
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh())
+    x = torch.randn(4, 3, requires_grad=True)
+    block[0].forward = Doubled(block[0])
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    del block[0].forward  # the edit is over
+    y.pow(2).sum().backward()
+    return [y.detach(), *_grads(x, *block.parameters())]
+
+
+
 _UNFORESEEABLE_FALLBACK = (
     "cannot help: this drift is only visible when the recompute starts, when nothing can "
     "repair it, so fallback raises as strict does"
@@ -1351,6 +1400,71 @@ _DRIFT_RULES = [
         render="describe_backward_graph",
         measured_on=("2.4.1", "2.13.0", "2.15.0"),
     ),
+    Rule(
+        id="CKG115",
+        title="a plain attribute of a checkpointed module, which its forward reads, changed before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "between the forward and the recompute, an attribute of a module the checkpointed block "
+            "runs, named in its class's code and holding a number, flag, string or tensor (not a "
+            "parameter or buffer), changed: a timestep, scale or flag set before each call of a shared "
+            "module (m.t = t), a counter its own forward increments (self.calls += 1), a tensor it "
+            "keeps (self.last = h, then h.retain_grad()), a tensor re-bound for the next call"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the recompute reads the value the attribute holds "
+            "then, not the one the forward read (a counter its forward increments is incremented "
+            "again; a tensor the forward kept is replaced by the recompute's, whose .grad stays None)"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "change the attribute after the backward that recomputes this block, or pass the value "
+            "to the block as an argument"
+        ),
+        fallback=(
+            "recomputes with each attribute as the forward found it (bound for the recompute only, "
+            "on its thread; what the recompute writes there is dropped): correct, keeps the memory "
+            "saving. Where only Python values changed, strict does the same without a word"
+        ),
+        # No upstream thread on this one; the closest: which state the recompute restores (the RNG only).
+        refs=("https://github.com/pytorch/pytorch/pull/71169",),
+        torch_note="the recompute calls the module, whose forward reads its attributes as they are when it runs",
+        probe=_probe_attribute_rebound,
+        read="module_attributes",
+        render="describe_attributes",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    ),
+    Rule(
+        id="CKG116",
+        title="a forward put on a checkpointed module's instance was changed or taken off before the recompute",
+        stage="recompute",
+        variants=(REENTRANT, NON_REENTRANT),
+        trigger=(
+            "between the forward and the recompute, the forward set on a module instance "
+            "(module.forward = f, as nnsight's edit_in does for one call) was taken off, replaced or "
+            "added: a one-shot edit of a module's output, an instrumentation wrapper removed"
+        ),
+        symptom=(
+            "returns silently wrong gradients: the forward ran the edited forward, the recompute "
+            "runs the one there is then (the class's), so the gradients are those of another function"
+        ),
+        symptom_kind="silently wrong",
+        remedy=(
+            "take the edit off after the backward that recomputes the block, or keep the edited "
+            "module out of checkpointed blocks for that step"
+        ),
+        # an edit may be stateful (one that edits only its first call): putting it back for the
+        # recompute would recompute unedited, so nothing can make this recompute right
+        fallback=_UNFORESEEABLE_FALLBACK,
+        fallback_helps=False,
+        refs=("https://github.com/ndif-team/nnsight",),
+        torch_note="the recompute calls the module, which runs the forward its instance holds then",
+        probe=_probe_instance_forward,
+        read="instance_forwards",
+        render="describe_forwards",
+        measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    ),
 ]
 
 
@@ -1498,9 +1612,60 @@ DEVICE_RULE = Rule(
     measured_on=("2.11.0+cu130 on an H200 (a CPU-only machine cannot show the symptom)",),
 )
 
+def _probe_buffers_updated_again(ckpt, use_reentrant):
+    """A checkpointed block with a BatchNorm in training mode: one step, its running statistics read after."""
+    import torch
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    x = torch.randn(4, 3, requires_grad=True)
+    y = ckpt(block, x, **_variant_kwargs(use_reentrant))
+    y.pow(2).sum().backward()
+    norm = block[1]
+    return [y.detach(), *_grads(x, *block.parameters()), norm.running_mean, norm.running_var,
+            norm.num_batches_tracked.double()]
+
+
+# Not a state comparison: what the recompute itself writes is watched.
+BUFFER_WRITES_RULE = Rule(
+    id="CKG117",
+    title="the recompute updates the checkpointed block's buffers a second time (BatchNorm's running statistics)",
+    stage="recompute",
+    variants=(REENTRANT, NON_REENTRANT),
+    trigger=(
+        "a checkpointed block whose forward updates its modules' buffers in place (BatchNorm and "
+        "InstanceNorm in training mode with running statistics, a counter or an average the user's "
+        "module keeps in a buffer), then a backward that recomputes it"
+    ),
+    symptom=(
+        "silently wrong state: the recompute runs the update again, so num_batches_tracked counts "
+        "two batches per step and the running statistics move twice (evaluation then uses other "
+        "statistics than the uncheckpointed model's); a block that reads such a buffer after "
+        "updating it computes its gradients from the twice-updated value"
+    ),
+    symptom_kind="silently wrong",
+    remedy=(
+        "nothing to change under strict or fallback: each recompute runs on copies of the buffers "
+        "as the forward found them, and the module's own are left as the forward left them"
+    ),
+    fallback=(
+        "recomputes with each buffer as the forward found it (a copy-on-write copy kept at the "
+        "call, bound for the recompute on its thread): correct, keeps the memory saving; strict "
+        "does the same, without a word"
+    ),
+    refs=(
+        "https://github.com/pytorch/pytorch/issues/96136",
+        "https://github.com/pytorch/pytorch/issues/62471",
+    ),
+    torch_note="the recompute runs the block's forward again, in the mode it had, buffers included",
+    probe=_probe_buffers_updated_again,
+    measured_on=("2.4.1", "2.13.0", "2.15.0"),
+    repaired_quietly=True,
+)
+
 #: Every rule, in id order (how the CLI and the docs list them), for every supported torch.
 RULES: tuple[Rule, ...] = tuple(sorted(
-    _CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE, NESTED_OUTPUT_RULE], key=lambda rule: rule.id
+    _CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE, NESTED_OUTPUT_RULE, BUFFER_WRITES_RULE], key=lambda rule: rule.id
 ))
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
 #: Recompute rules decided by comparing state captured in the forward and at recompute.

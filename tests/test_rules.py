@@ -113,6 +113,13 @@ def test_torch_without_guard_shows_the_symptom(rule, variant, probe):
 
 @pytest.mark.parametrize("rule, variant, probe", CASES)
 def test_strict_raises_this_rule(rule, variant, probe):
+    if rule.repaired_quietly:  # the table says strict repairs it without a word: the uncheckpointed result
+        reference = probe(no_checkpoint, _use_reentrant(variant))
+        with ckpt_guard.record() as events, warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            assert_all_close(run_guarded(probe, _use_reentrant(variant), "strict"), reference)
+        assert [e.rule_id for e in events] == []
+        return
     with ckpt_guard.record() as events:
         with pytest.raises(CheckpointCompositionError) as info:
             run_guarded(probe, _use_reentrant(variant), "strict")
@@ -156,7 +163,7 @@ def test_warn_warns_then_behaves_like_torch(rule, variant, probe):
 
 def test_unforeseeable_rules_are_the_expected_ones():
     """The table's own claim, pinned: these drifts show only at recompute."""
-    assert UNFORESEEABLE == {"CKG108", "CKG114"}
+    assert UNFORESEEABLE == {"CKG108", "CKG114", "CKG116"}
 
 
 @pytest.mark.parametrize("rule, variant, probe", CASES)
@@ -168,6 +175,11 @@ def test_fallback_matches_the_reference(rule, variant, probe):
             run_guarded(probe, ur, "fallback")
         assert info.value.rule.id == rule.id
         assert "could not be foreseen" in str(info.value)
+        return
+    if rule.repaired_quietly:  # repaired without a word, as strict does
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            assert_all_close(run_guarded(probe, ur, "fallback"), reference)
         return
     with pytest.warns(CheckpointCompositionWarning) as record:
         result = run_guarded(probe, ur, "fallback")

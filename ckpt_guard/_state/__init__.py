@@ -12,7 +12,9 @@ one) and names it in its rule record (``read=``, ``render=``), and nothing else:
 ``dtype``          the default dtype (CKG105)
 ``steps``          optimizer steps (CKG108)
 ``backward``       a reentrant backward building a graph (CKG114)
-``modules``        the block snapshot: tensors, hooks, train/eval (CKG106/110/111)
+``modules``        the block snapshot: tensors, hooks, train/eval, plain attributes,
+                   instance forwards (CKG106/110/111/115/116)
+``writes``         the buffers a recompute would update again, kept at the call (CKG117)
 ``contents``       containers and user generators the block is given (CKG112/113)
 ``call``           the call-time :class:`CallState` the call rules read
 ``block_reads``    what a function reads, found without running it
@@ -55,6 +57,7 @@ optimizer cannot).
 
 from __future__ import annotations
 
+from .basics import _GONE as GONE  # noqa: F401 - "absent" in a captured record
 from .basics import (  # noqa: F401
     forward_ad,
     get_unwrapped,
@@ -114,12 +117,18 @@ from .backward import (  # noqa: F401
     reentrant_backward_builds_graph,
 )
 from .modules import (  # noqa: F401
+    attributes_values_only,
     block_bindings,
     block_hooks,
+    describe_attributes,
     describe_bindings,
+    describe_forwards,
     describe_training,
     differs,
+    instance_forwards,
+    module_attributes,
     module_training,
+    reattributed,
     MAY_NEED_REFRESH,
     needs_refresh,
     rebound,
@@ -146,6 +155,13 @@ from .contents import (  # noqa: F401
     replaying_contents,
     replaying_generators,
     restore_contents,
+)
+from .writes import (  # noqa: F401
+    buffers_now,
+    describe_written,
+    keep,
+    kept_buffers,
+    written_during,
 )
 from .call import (  # noqa: F401
     CallState,

@@ -22,7 +22,7 @@ import torch
 
 from . import block_reads as _reads
 from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
-from .modules import _block_module, _structure, module_generators_seen
+from .modules import _block_module, _structure, module_containers_seen, module_generators_seen
 
 
 # --------------------------------------------------------------------------
@@ -313,14 +313,35 @@ def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict
             if type(value) not in _ATOMS:
                 break
         else:
-            if not module_generators_seen[0]:
+            if not module_generators_seen[0] and not module_containers_seen[0]:
                 return _NO_ARGUMENT_STATE
-            return (), _generator_states(_module_generators(function))
+            found = _module_generators(function)
+            roots = _module_containers(function)
+            return contents_snapshot(roots, found) if roots else (), _generator_states(found) if found else ()
     modules: list = []
-    roots = _argument_roots(function, inputs, keywords, modules)
+    roots = (_argument_roots(function, inputs, keywords, modules) or []) + _module_containers(function)
     found: list = _module_generators(function, modules)
     contents = contents_snapshot(roots, found) if roots else ()
     return contents, _generator_states(found) if found else ()
+
+
+def _module_containers(function: object) -> list:
+    """``[(label, list or dict)]`` the block's module (itself, its bound method, a partial of either)
+    holds as attributes its classes' code names: a log it appends to, a memo, a cache (CKG112)."""
+    if not module_containers_seen[0]:
+        return []
+    block = _block_module(function)
+    if not isinstance(block, Module):
+        return []
+    found = []
+    for path, name in _structure(block).containers:
+        try:
+            value = vars(block.get_submodule(path) if path else block).get(name)
+        except AttributeError:
+            continue
+        if type(value) in (list, dict):
+            found.append((f"the attribute {type(block).__name__}{'.' + path if path else ''}.{name}", value))
+    return found
 
 
 argument_state.takes_inputs = True  # type: ignore[attr-defined]

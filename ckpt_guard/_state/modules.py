@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import sys
 import types
 import weakref
 from typing import Callable, Optional
@@ -41,6 +42,9 @@ _TENSOR_STORES = ("_parameters", "_buffers")
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 #: set once a checkpointed block holding an nn.RReLU is seen: until then CKG009 costs one read
 rrelu_seen = [False]
+#: set once a checkpointed module whose code names a list or dict it holds is walked: until then
+#: CKG112 looks at no module's attributes
+module_containers_seen = [False]
 
 
 class _Structure:
@@ -58,7 +62,7 @@ class _Structure:
     structure is then walked again.
     """
 
-    __slots__ = ("ref", "paths", "shape", "rrelus", "generators", "snapshot")
+    __slots__ = ("ref", "paths", "shape", "rrelus", "generators", "attributes", "containers", "snapshot")
 
     def __init__(self, module: Module) -> None:
         self.ref = weakref.ref(module)
@@ -75,7 +79,21 @@ class _Structure:
         # a class that binds its own tensors in its forward (higher's patched modules keep their fast
         # weights so): what the forward read is what it bound, re-read when the forward ends
         binds = any(_binds_in_forward(type(m)) for _, m in named)
-        self.snapshot = _snapshots.get((binds, shape)) or _compile_snapshot(shape, binds)
+        # CKG115's: (module index, attribute name) of each plain value its class's code names
+        self.attributes = tuple(
+            (i, name) for i, (_, m) in enumerate(named) for name in _read_names(type(m))
+            if _watched(m.__dict__.get(name, _GONE))
+        )
+        # CKG112's: (path, name) of each list or dict its class's code names (a log, a memo, a cache)
+        self.containers = tuple(
+            (path, name) for path, m in named for name in _read_names(type(m))
+            if type(m.__dict__.get(name)) in (list, dict)
+        )
+        if self.containers:
+            module_containers_seen[0] = True
+        self.snapshot = _snapshots.get((binds, shape, self.attributes)) or _compile_snapshot(
+            shape, binds, self.attributes
+        )
 
     def modules(self, module: Module) -> list:
         """The modules in snapshot order (for messages and replays, not the hot path); [] if the shape changed."""
@@ -177,13 +195,13 @@ def _refresh(module: Module, recorded: "InForward") -> None:
         kept.update(getattr(owner, store))
 
 
-def _compile_snapshot(shape: tuple, binds: bool = False) -> Callable[[Module], Optional[tuple]]:
+def _compile_snapshot(shape: tuple, binds: bool = False, attributes: tuple = ()) -> Callable[[Module], Optional[tuple]]:
     # Each module's __dict__ is read once and subscripted: an attribute read on a
     # module goes through nn.Module's __getattr__ hook, several times slower.  A
     # parameter or buffer dict empty when the shape was taken is checked to be
     # empty still (part of the shape), not copied.
     index = {path: i for i, (path, *_) in enumerate(shape)}
-    walk, same, tensors, hooks, any_hook, flags = [], [], [], [], [], []
+    walk, same, tensors, hooks, any_hook, flags, forwards = [], [], [], [], [], [], []
     for i, (path, children, has_parameters, has_buffers) in enumerate(shape):
         if i:
             parent, _, name = path.rpartition(".")
@@ -197,6 +215,9 @@ def _compile_snapshot(shape: tuple, binds: bool = False) -> Callable[[Module], O
         hooks.append(f"copy(d{i}['_forward_pre_hooks']), copy(d{i}['_forward_hooks']), ")
         any_hook.append(f"d{i}['_forward_pre_hooks'] or d{i}['_forward_hooks']")
         flags.append(f"d{i}['training'], ")
+        forwards.append(f"get{i}('forward'), ")
+    values = "".join(f"d{i}.get({name!r}, GONE), " for i, name in attributes)
+    gets = "".join(f"        get{i} = d{i}.get\n" for i in range(len(shape)))
     source = (
         "def snapshot(m0):\n"
         "    try:\n"
@@ -204,19 +225,22 @@ def _compile_snapshot(shape: tuple, binds: bool = False) -> Callable[[Module], O
         f"{''.join(walk)}"
         f"        if not ({' and '.join(same) or 'True'}):\n"
         "            return None\n"
+        f"{gets}"
         f"        return {'InForward(' if binds else ''}({''.join(tensors)}){')' if binds else ''}, "
         f"(({''.join(hooks)}) if {' or '.join(any_hook)} else None), "
-        f"({''.join(flags)})\n"
+        f"({''.join(flags)}), ({values}), ({''.join(forwards)})\n"
         "    except (KeyError, AttributeError, TypeError):  # a submodule gone or None, or a module unlike\n"
         "        # nn.Module's (torch.jit.script's dicts are wrappers dict.copy does not take)\n"
         "        return None\n"
     )
     # a plain dict of each (OrderedDict's copy is slower); filed under this file: dynamo skips it
     # (torch 2.4's dynamo, tracing a generated file, fails on dict.copy)
-    made = _files.compile_generated(source, __file__, "snapshot", {"copy": dict.copy, "InForward": InForward})
+    made = _files.compile_generated(
+        source, __file__, "snapshot", {"copy": dict.copy, "InForward": InForward, "GONE": _GONE},
+    )
     if len(_snapshots) >= 1024:
         _snapshots.clear()
-    snapshot = _snapshots[binds, shape] = made
+    snapshot = _snapshots[binds, shape, attributes] = made
     return snapshot
 
 
@@ -228,6 +252,8 @@ def _read_snapshot(module: Module) -> tuple:
         tuple(dict(getattr(m, store)) for m in modules for store in _TENSOR_STORES if getattr(m, store)),
         tuple(dict(h) for h in hooks) if any(hooks) else None,
         tuple(bool(m.training) for m in modules),
+        (),  # its attributes and instance forwards are not watched (a module unlike nn.Module's)
+        (),
     )
 
 
@@ -303,7 +329,7 @@ def _partial_target(function: functools.partial) -> object:
     return func
 
 
-_NOTHING = ((), (), None)
+_NOTHING = ((), (), None, (), ())
 
 
 def block_snapshot(function: object) -> tuple:
@@ -343,8 +369,8 @@ def block_snapshot(function: object) -> tuple:
             return _NOTHING
         for value in cells:
             if isinstance(value, Module):  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
-                return ClosureRead((cells, tuple(_closure_module_tensors(m) for m in _held_modules(cells)))), (), None
-        return cells, (), None
+                return ClosureRead((cells, tuple(_closure_module_tensors(m) for m in _held_modules(cells)))), (), None, (), ()
+        return cells, (), None, (), ()
     return _NOTHING
 
 
@@ -629,3 +655,170 @@ def retrained(was: tuple, function: object) -> list:
     if len(modules) != len(was):
         return []
     return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
+
+
+# --------------------------------------------------------------------------
+# a module's own plain attributes its forward reads, changed before the recompute (CKG115),
+# and a forward put on a module instance (CKG116)
+#
+# A shared module whose timestep, scale or flag is set before each call
+# (``m.t = t``), a counter its own forward increments (``self.calls += 1``), a
+# tensor it keeps (``self.last = h``): torch's recompute reads the value there is
+# then.  Which attributes a class's code names is read once per class (the
+# names its functions load or store as attributes: an over-approximation that
+# costs a few reads, never a miss of ``self.<name>``); the snapshot then reads,
+# on each call, those of them each module holds as a plain value.
+
+#: what every nn.Module holds (torch's bookkeeping, ``training``: CKG106's): never watched here
+_MODULE_INTERNALS = frozenset(vars(Module())) | {"forward"}
+_read_names_of: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+_LIBRARY_ROOTS = frozenset({"torch", "builtins"})
+
+
+def _read_names(cls: type) -> tuple:
+    """The attribute names a module class's own code names (its methods', nested code's too), sorted.
+
+    torch's own classes are left out: their settings (``eps``, ``p``) are fixed at
+    construction, and reading them on every call would cost every block.
+    """
+    known = _read_names_of.get(cls)
+    if known is None:
+        names: set = set()
+        for klass in cls.__mro__:
+            if (getattr(klass, "__module__", None) or "").split(".")[0] in _LIBRARY_ROOTS:
+                continue
+            for value in list(vars(klass).values()):
+                function = getattr(value, "__func__", value)
+                if isinstance(value, property):
+                    function = value.fget
+                code = getattr(function, "__code__", None)
+                if code is not None:
+                    names.update(_code_names(code))
+        known = _read_names_of[cls] = tuple(sorted(names - _MODULE_INTERNALS))
+    return known
+
+
+def _code_names(code: types.CodeType) -> set:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _code_names(constant)
+    return names
+
+
+def _watched(value: object) -> bool:
+    """A value CKG115 compares: a number, flag, string, None, a NumPy scalar, a dtype, a tensor (not a
+    container: CKG112's domain, nor a module or a function)."""
+    if value is _GONE:
+        return False
+    if type(value) in _PLAIN_VALUES or isinstance(value, torch.Tensor):
+        return True
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.object_)
+
+
+_PLAIN_VALUES = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device})
+
+
+def module_attributes(function: object) -> tuple:
+    """CKG115's part of :func:`block_snapshot`: the plain attributes its modules' code names, as they are."""
+    return block_snapshot(function)[3]
+
+
+def instance_forwards(function: object) -> tuple:
+    """CKG116's part of :func:`block_snapshot`: each module's instance ``forward`` (None: its class's)."""
+    return block_snapshot(function)[4]
+
+
+module_attributes.part_of = (block_snapshot, 3)  # type: ignore[attr-defined]
+instance_forwards.part_of = (block_snapshot, 4)  # type: ignore[attr-defined]
+module_attributes.takes_function = instance_forwards.takes_function = True  # type: ignore[attr-defined]
+
+
+def _attribute_owners(function: object) -> list:
+    """``[(module, name)]`` in the order of the snapshot's attribute part ([] if not a module's)."""
+    block = _block_module(function)
+    if not isinstance(block, Module):
+        return []
+    structure = _structure(block)
+    modules = structure.modules(block)
+    return [(modules[i], name) for i, name in structure.attributes] if modules else []
+
+
+def reattributed(was: tuple, function: object) -> list:
+    """``[(module, name, forward value)]`` for each watched attribute that differs now from ``was``."""
+    owners = _attribute_owners(function)
+    if len(owners) != len(was):
+        return []
+    return [
+        (module, name, value) for (module, name), value in zip(owners, was)
+        if differs(module.__dict__.get(name, _GONE), value)
+    ]
+
+
+def attributes_values_only(was: tuple, now: tuple) -> bool:
+    """Only Python values changed (a number, a flag, a string, not a tensor), each present both times:
+    recomputing with the forward's is the uncheckpointed program (CKG115's quiet case)."""
+    return all(
+        not isinstance(old, torch.Tensor) and not isinstance(new, torch.Tensor) and old is not _GONE and new is not _GONE
+        for old, new in zip(was, now) if differs(old, new)
+    )
+
+
+def _show(value: object) -> str:
+    if value is _GONE:
+        return "absent"
+    if isinstance(value, torch.Tensor):
+        return f"a {tuple(value.shape)} tensor"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def describe_attribute_change(was: tuple, now: tuple, function: object = None) -> str:
+    """CKG115's change line: ``t (Timestep): 1.0 → 3.0; scale (Block): a () tensor → another tensor``."""
+    paths = _module_paths(function)
+    owners = _attribute_owners(function)
+    parts = []
+    for (module, name), old, new in zip(owners, was, now):
+        if not differs(old, new):
+            continue
+        path = paths.get(id(module), "")
+        where = f"{path}.{name}" if path else name
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+            change = f"{_show(old)} → another tensor"
+        else:
+            change = f"{_show(old)} → {_show(new)}"
+        parts.append(f"{where} ({type(module).__name__}): {change}")
+    return "; ".join(parts) or "a plain attribute its forward reads changed"
+
+
+def describe_attributes(value: object) -> str:
+    return f"{len(value)} plain attribute(s)" if value else "nothing watched"
+
+
+def describe_forward_change(was: tuple, now: tuple, function: object = None) -> str:
+    """CKG116's change line: ``fc1 (Linear): forward replaced on the instance → its class's forward``."""
+    block = _block_module(function)
+    modules = _structure(block).modules(block) if isinstance(block, Module) else []
+    paths = _module_paths(function)
+    parts = []
+    for module, old, new in zip(modules, was, now):
+        if old is new:
+            continue
+        where = _where(module, paths)
+
+        def named(value: object) -> str:
+            return "its class's forward" if value is None else f"{getattr(value, '__qualname__', type(value).__name__)} on the instance"
+
+        parts.append(f"{where}: {named(old)} → {named(new)}")
+    return "; ".join(parts) or "a module's forward changed"
+
+
+def describe_forwards(value: object) -> str:
+    return "its modules' forwards"
+
+
+module_attributes.describe_change = describe_attribute_change  # type: ignore[attr-defined]
+instance_forwards.describe_change = describe_forward_change  # type: ignore[attr-defined]
+describe_attribute_change.takes_function = describe_forward_change.takes_function = True  # type: ignore[attr-defined]
+
