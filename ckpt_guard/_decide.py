@@ -28,7 +28,7 @@ import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _state
+from . import _composable, _config, _events, _state, _versions
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
 from ._drift import (
     _BINDINGS_INDEX, _HOOKS_INDEX, _anticipated_rule, _capture_without_mode_records, _checked_call, _device_watched_call,
@@ -36,13 +36,14 @@ from ._drift import (
     risk_visible,
 )
 from ._exceptions import CheckpointCompositionError
+from ._layouts import kept_inputs
 from ._messages import (
     _CACHE_LIMIT, _call_case_remedy, _case_symptom, _is_library_code, _library_codes, _warn, _with_refusal,
     build_message, describe_checkpointed, describe_site, describe_variant, use_reentrant_defaulted,
     user_frame, your_code,
 )
 from ._rules import DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
-from ._rules import RNG_RULE as _RNG_RULE
+from ._rules import BUFFER_WRITES_RULE as _BUFFERS_RULE, RNG_RULE as _RNG_RULE
 
 # The patch points (``_layouts``' guards, handed this module by ``_patch``) reach the
 # recompute side through here too: one module to hand over.
@@ -216,6 +217,14 @@ _rrelu_training = _state.rrelu_training
 _rrelu_seen = _state.rrelu_seen
 _grad_sample_hooked = _state.grad_sample_hooked
 _needs_refresh = _state.needs_refresh
+_kept_buffers = _state.kept_buffers
+_Tensor = _torch.Tensor
+_is_wrapped = _state.is_functorch_wrapped_tensor
+_modes_off = _torch._C.DisableTorchFunction
+_no_dispatch_modes = _torch.utils._python_dispatch._disable_current_modes
+_bindings_here = _composable.binding.bindings_here
+#: CKG117's claim holds on this torch (a recompute updates the block's buffers again)
+_BUFFERS_WATCHED = _BUFFERS_RULE.holds_on(_versions.installed())
 _MAY_NEED_REFRESH = _state.MAY_NEED_REFRESH
 _noop_context_fn = getattr(_torch_checkpoint, "noop_context_fn", None)
 _forward_ad = _state.forward_ad
@@ -335,21 +344,107 @@ def prepare_call(
     drew = [False] if preserve_rng_state is False and config.policy_for(_RNG_RULE.id) != "off" else None
     # CKG010: where fallback records the structure of a nested output it flattened
     nested = [None] if reentrant and config.policy_for(_NESTED_RULE.id) != "off" else None
+    # CKG117: the buffers of its modules in training mode, kept as the call found them (copy on write)
+    kept = _kept_buffers(reads, forward_state[_TRAINING_INDEX]) if _BUFFERS_WATCHED and config.policy_for(
+        _BUFFERS_RULE.id
+    ) != "off" else None
     guarded = _partial(
-        _checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested
+        _checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested, kept
     )
     if reentrant and _len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
     # set on the handle the patch point gets (a device watch above wraps the one prepared)
     if nested is not None:
         guarded.nested = nested
+    outer = _bindings_here()
+    if outer is not None:
+        # called inside a recompute that replays the forward's world (a checkpoint nested in one whose
+        # module a meta-optimizer re-bound): this call's own recompute comes later, outside it, and is
+        # run inside the same bindings again, so it reads what this forward read
+        guarded = _partial(_inside, outer, guarded)
+    afters = []
+    if not reentrant and config.policy in ("strict", "fallback"):
+        # torch saves the inputs for its recompute as copies on write: the block's own write into one
+        # (F.relu(h, inplace=True) first) leaves the recompute what the forward read, where torch
+        # alone raises that a saved tensor was modified; each recompute is given copies on write of
+        # those in turn (a double backward recomputes twice).  A write after the forward (the caller's)
+        # is what autograd refuses without checkpointing where the block saved the input: raised so.
+        given = _input_versions(args[first_input:])
+        if given:
+            after: list = []
+            guarded = _partial(_on_copies, guarded, given, after)
+            guarded.keep_inputs = True
+            afters.append(_partial(_versions_after, given, after))
     if own_bindings:
         # its modules bind their own tensors in the forward (higher's): the patch point re-reads them
         # when the forward ends, and the recompute compares with what the forward read
-        guarded.after_forward = _partial(_state.refresh_after_forward, reads, bindings)
+        afters.append(_partial(_state.refresh_after_forward, reads, bindings))
+    if afters:
+        guarded.after_forward = afters[0] if len(afters) == 1 else _partial(_each, afters)
     if drew is not None:
         return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew, no_early_stop)
     return EarlyStopOff(guarded) if no_early_stop else guarded
+
+
+def _inside(bindings: list, guarded: Any, *args: Any, **kwargs: Any) -> Any:
+    """A recompute inside the bindings its call was made in (see :func:`prepare_call`)."""
+    with _composable.binding.bound(bindings):
+        return guarded(*args, **kwargs)
+
+
+def _input_versions(inputs: tuple) -> list:
+    """``[(position, tensor, version)]`` of the call's plain tensor inputs (what ``kept_inputs`` copies).
+
+    The tensors are held (torch's frame holds them too, until the backward), so that a write
+    into one after the forward is seen even where the caller dropped its last name for it.
+    """
+    if not _len_function_stack():
+        return [(i, t, t._version) for i, t in enumerate(inputs) if type(t) is _Tensor and not _is_wrapped(t)]
+    with _modes_off():  # a version read is a torch function: no mode of the user's sees the guard's
+        return [(i, t, t._version) for i, t in enumerate(inputs) if type(t) is _Tensor and not _is_wrapped(t)]
+
+
+def _versions_after(given: list, after: list) -> None:
+    """When the forward has run: each input's version then (the block's own writes counted)."""
+    with _modes_off():
+        after[:] = [t._version for _, t, _ in given]
+
+
+def _each(calls: list) -> None:
+    for call in calls:
+        call()
+
+
+def _on_copies(guarded: Any, given: list, after: list, *args: Any, **kwargs: Any) -> Any:
+    """A non-reentrant recompute that reads each input as the forward read it.
+
+    An input the block wrote in place in its forward (``F.relu(h, inplace=True)``
+    first) is recomputed from a copy on write of what the call found (``kept_inputs``:
+    torch saved those); any other is the caller's own tensor, as torch would hand it
+    (a marked mode writing into it during the forward and its replay see the same
+    tensor).  An input written after the forward (by the caller) is raised, as autograd
+    raises without checkpointing where the block saved it.
+    """
+    args = list(args)
+    with _modes_off():
+        now = [tensor._version for _, tensor, _ in given]
+    for (i, tensor, before), version, current in zip(given, after, now):
+        if current != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: an input of a checkpointed call (a {tuple(tensor.shape)} tensor) was written in "
+                f"place after the block's forward read it (its version was {version}, now {current}). "
+                "Without checkpointing autograd raises the same where the block saved that input; "
+                "ckpt_guard: the recompute would read the new values, so it stops here (update a copy, or "
+                "write after the backward)"
+            )
+        if i < len(args) and isinstance(args[i], _Tensor):
+            if version == before:  # not written by the forward: the tensor itself, as torch would read it
+                with _modes_off(), _no_dispatch_modes():  # the guard's own detach: no user mode sees it
+                    args[i] = tensor.detach().requires_grad_(args[i].requires_grad)
+            else:  # the forward wrote it: a fresh copy on write of what the call found
+                args[i] = kept_inputs((args[i],))[0]
+    return guarded(*args, **kwargs)
 
 
 def _watch_device(guarded: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple) -> Any:

@@ -227,6 +227,8 @@ def _guard_generator(original: Callable[..., Any], decide: Any) -> Callable[...,
             return _with_after_forward(decision, watch_forward_rng(
                 without_early_stop(start) if decision.early_stop_off else start(), decision.drew
             ))
+        if getattr(decision, "keep_inputs", False):  # fallback: the recompute starts from copies on write
+            args = (*args[:n_options], *kept_inputs(args[n_options:]))
         generator = original(decision, *args, **kwargs)
         after = getattr(decision, "after_forward", None)  # the usual call: one look, no wrapper
         return generator if after is None else then_after_forward(generator, after)
@@ -272,11 +274,44 @@ def _guard_generator_impl(original: Callable[..., Any], decide: Any) -> Callable
             return _with_after_forward(decision, watch_forward_rng(
                 without_early_stop(start) if decision.early_stop_off else start(), decision.drew
             ))
+        if getattr(decision, "keep_inputs", False):  # fallback: the recompute starts from copies on write
+            args = kept_inputs(args)
         generator = original(decision, args, kwargs, **options)
         after = getattr(decision, "after_forward", None)  # the usual call: one look, no wrapper
         return generator if after is None else then_after_forward(generator, after)
 
     return _checkpoint_without_reentrant_generator_impl
+
+
+def kept_inputs(inputs: Any) -> tuple:
+    """The call's tensor inputs as torch's non-reentrant checkpoint saves them for its recompute, under
+    strict and fallback: copies on write (``torch._lazy_clone``, connected to each input as the input is), so a
+    write into an input after the forward read it (the block's own ``F.relu(h, inplace=True)``, the
+    caller's ``h.add_(1)`` after the call) copies that input once and leaves the recompute what the
+    forward read, where torch would raise that a saved tensor was modified in place.  The forward
+    itself runs on the inputs as given (torch's ``checkpoint`` calls the block with its own)."""
+    import torch
+    from torch._C._functorch import is_functorch_wrapped_tensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    lazy = getattr(torch, "_lazy_clone", None)
+    if lazy is None:
+        return tuple(inputs)
+    kept = []
+    for value in inputs:
+        # a plain tensor (not a Parameter: an optimizer step before the backward is CKG108's; not a
+        # torch.func wrapper: there the composable recompute keeps its own), copied where no mode of
+        # the user's sees it (the copy is the guard's, not the program's)
+        if type(value) is torch.Tensor and not is_functorch_wrapped_tensor(value):
+            try:
+                with torch._C.DisableTorchFunction(), _disable_current_modes():
+                    with torch.set_grad_enabled(value.requires_grad):
+                        value = lazy(value)
+            except Exception:  # noqa: BLE001 - a tensor torch cannot clone so: saved as it is
+                pass
+        kept.append(value)
+    return tuple(kept)
+
 
 
 #: Newest first: a torch that has both names (2.14+ keeps the old one as a shim) uses the new one.

@@ -21,6 +21,7 @@ from .._decide import (
 )
 from .._drift import _Tensor, _report_at_recompute
 from .._exceptions import CheckpointCompositionError
+from .._layouts import kept_inputs
 from .._messages import _warn, build_message, describe_site, describe_variant, user_frame
 from .._rules import DRIFT_RULES
 from .._rules import Rule
@@ -207,10 +208,14 @@ def _run_recorded(function: Any, recorder: _RecordedReads, *args: Any, **kwargs:
 _SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")
 
 
-def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: dict, preserve_rng_state: bool) -> Any:
+def _checked_without_install(
+    function: Any, args: tuple, kwargs: dict, options: dict, preserve_rng_state: bool,
+    scoped: Optional[_config.Config] = None,
+) -> Any:
     """Torch's checkpoint for ``ckpt_guard.checkpoint`` outside torch.func, with nothing installed:
     each recompute is checked as an installed guard checks it (the drift rules, under the
-    environment's policy: a parameter a meta-optimizer re-bound, a train/eval switch).
+    policy in force, a ``policy()`` scope's else the environment's: a parameter a
+    meta-optimizer re-bound, a train/eval switch, a module's timestep set before each call).
 
     The guard's own call preparation runs here under that policy, as a patch point would run
     it; torch calls the block once for the forward (as given) and once per recompute (checked
@@ -218,7 +223,7 @@ def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: 
     world, warn warns).  What needs a patch point (a watch on ``preserve_rng_state=False``'s
     forward, early stop switched off) is left to torch, as before.
     """
-    token = _config.push_scope(_config.from_environment())
+    token = _config.push_scope(scoped or _config.from_environment())
     try:
         guarded = prepare_call(
             False, function, args, 0, options.get("context_fn"), preserve_rng_state, True, kwargs,
@@ -233,18 +238,21 @@ def _checked_without_install(function: Any, args: tuple, kwargs: dict, options: 
     if not isinstance(guarded, functools.partial):  # nothing to check, or what needs a patch point
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     forward = [True]
+    # fallback: torch saves copies on write of the inputs for its recompute (see kept_inputs); the
+    # forward runs on the caller's own
+    saved = kept_inputs(args) if getattr(guarded, "keep_inputs", False) else args
 
     def block(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        if forward[0]:  # torch's forward: the block as given
+        if forward[0]:  # torch's forward: the block as given, on the caller's tensors
             forward[0] = False
-            output = function(*inner_args, **inner_kwargs)
+            output = function(*args, **inner_kwargs)
             after = getattr(guarded, "after_forward", None)
             if after is not None:  # its modules bound their own tensors in the forward: re-read
                 after()
             return output
         return guarded(*inner_args, **inner_kwargs)  # a recompute: checked first
 
-    return _torch_checkpoint.checkpoint(block, *args, **options, **kwargs)
+    return _torch_checkpoint.checkpoint(block, *saved, **options, **kwargs)
 
 
 def _names_not_kept(names: Any, reason: Any, instead: str) -> None:
@@ -294,8 +302,8 @@ def public_checkpoint(
     # a naming policy: torch's selective checkpointing cannot see checkpoint_name, this recompute can
     names = names_policy_of(context_fn) if context_fn is not None else None
     if eager and not swapped and names is None:
-        if scoped is None and not _config._installed.active:  # no patch point guards torch's call here
-            return _checked_without_install(function, args, kwargs, options, preserve_rng_state)
+        if not _config._installed.active:  # no patch point guards torch's call here
+            return _checked_without_install(function, args, kwargs, options, preserve_rng_state, scoped)
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     named_eager = eager and not swapped  # (names is not None)
     installed = _config._installed  # install("off") is a policy in force, not the absence of one
