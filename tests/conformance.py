@@ -53,9 +53,11 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential
 
 import ckpt_guard
+import meta_learning
 from ckpt_guard import CheckpointCompositionError, _composable
 
 D, T, BATCH = 4, 3, 2  # features, tokens per sample, samples (or tasks, or ensemble members)
+DEPTH = 4  # the nested entry's depth (a closure over the next, four deep: issue 46)
 DTYPE = torch.float64
 
 # --------------------------------------------------------------------------
@@ -66,10 +68,17 @@ RUNS: Dict[int, int] = {}
 
 
 class Kind:
-    """A block factory, and what the kind needs from the cell."""
+    """A block factory, and what the kind needs from the cell.
 
-    def __init__(self, make: Callable[[], nn.Module], *, random: bool = False, note: str = "") -> None:
-        self.make, self.random, self.note = make, random, note
+    ``caller``: what the code around the checkpoint does with the block's outputs (the kind
+    whose outputs alias each other writes into one of them), else the output is used as is.
+    """
+
+    def __init__(
+        self, make: Callable[[], nn.Module], *, random: bool = False, note: str = "",
+        caller: Optional[Callable[[Any], torch.Tensor]] = None,
+    ) -> None:
+        self.make, self.random, self.note, self.caller = make, random, note, caller
 
 
 class Block(nn.Module):
@@ -218,6 +227,19 @@ def _requires_grad_branch(b, h):
     return torch.tanh(b(h)) if h.requires_grad else torch.sin(b(h))
 
 
+def _overlapping_outputs(b, h):
+    # a block returning a tensor and a view of it (a CLS-token pooling: hidden, hidden[0])
+    out = torch.tanh(b(h)) * 1.0
+    return out, out[..., :2]
+
+
+def _writes_one_alias(outputs):
+    # the caller updates the view in place: without checkpointing the write reaches the other output
+    out, view = outputs
+    view.mul_(2.0)
+    return out
+
+
 def _view_of_input(b, h):
     # nn.Flatten / nn.Unflatten / an einops rearrange in a checkpointed segment: a view of the input
     return b(h).view(D, T).view(T, D)
@@ -275,6 +297,9 @@ KINDS: Dict[str, Kind] = {
     "branches on grad mode": Kind(lambda: Block(nn.Linear(D, D), _grad_mode_branch)),
     "branches on requires_grad": Kind(lambda: Block(nn.Linear(D, D), _requires_grad_branch)),
     "returns a view of its input": Kind(lambda: Block(nn.Identity(), _view_of_input)),
+    "returns overlapping outputs, caller writes one": Kind(
+        lambda: Block(nn.Linear(D, D), _overlapping_outputs), caller=_writes_one_alias,
+    ),
 }
 
 
@@ -291,7 +316,7 @@ def _call_with_parameters(block, names, h, *tensors):
 
 
 def _checkpointed(ckpt: Callable[..., Any], block: nn.Module, access: str, h: torch.Tensor) -> torch.Tensor:
-    if access in ("module", "functional_call", UNDER_NO_GRAD):
+    if access in ("module", "functional_call", UNDER_NO_GRAD, *meta_learning.LIBRARIES):
         return ckpt(block, h)
     if access == "closure":
         return ckpt(lambda t: block(t), h)
@@ -307,7 +332,8 @@ def _checkpointed(ckpt: Callable[..., Any], block: nn.Module, access: str, h: to
 #: the first block called under ``torch.no_grad()``, its output added to its input (a constant to
 #: every level of every transform: ``GradInterpreter.lower`` passes the mode down), the second as usual
 UNDER_NO_GRAD = "first block under no_grad"
-ACCESS = ("functional_call", "module", "closure", "module as argument", "argument", UNDER_NO_GRAD)
+ACCESS = ("functional_call", "module", "closure", "module as argument", "argument", UNDER_NO_GRAD,
+          *meta_learning.LIBRARIES)
 
 
 def _nr(function, *args):
@@ -391,6 +417,7 @@ ENTRIES: Dict[str, Tuple[str, Any]] = {
     "torch checkpoint_sequential, fallback": ("fallback", "sequential"),
     "nested ckpt_guard.checkpoint, fallback": ("fallback", "nested"),
     "recursive ckpt_guard.checkpoint, strict": ("strict", "recursive"),
+    "ckpt_guard.checkpoint nested 4 deep, fallback": ("fallback", "deep"),
     "ckpt_guard.checkpoint, save matmuls, strict": ("strict", _save_matmuls),
     "ckpt_guard.checkpoint, save named, strict": ("strict", _save_named),
     "torch checkpoint (non-reentrant), save everything, fallback": ("fallback", _nr_save_everything),
@@ -407,6 +434,7 @@ class Net(nn.Module):
     def __init__(self, kind: str, access: str, entry: str, inside: Optional[str] = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([KINDS[kind].make() for _ in range(2)])
+        self.caller = KINDS[kind].caller
         self.access, self.inside = access, inside
         self.ckpt: Any = _plain  # set per run
         self.entry = entry
@@ -417,6 +445,8 @@ class Net(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + 0.0  # a tensor of the model's own (a block may update its input in place, as after a stem)
         ckpt = self.ckpt
+        if ENTRIES[self.entry][1] == "deep":  # checkpointed or not, the same four blocks in turn
+            return self._nested(h, DEPTH)
         if ckpt == "sequential":
             return checkpoint_sequential(nn.Sequential(*map(self._block_fn, self.blocks)), 2, h, use_reentrant=False)
         if ckpt == "nested":
@@ -428,18 +458,45 @@ class Net(nn.Module):
             return ckpt_guard.checkpoint(pair, h)
         if ckpt == "recursive":
             return ckpt_guard.checkpoint(self._recursive, h, len(self.blocks))
+        if ckpt == "deep":
+            return self._nested(h, DEPTH)
         for i, block in enumerate(self.blocks):
             self._set_timestep(block, i)
             h = self._through(ckpt, i, block, h)
         return h
 
     def _through(self, ckpt: Any, i: int, block: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """Block ``i`` on ``h``, checkpointed by ``ckpt`` the cell's way in."""
+        """Block ``i`` on ``h``, checkpointed by ``ckpt`` the cell's way in (and what the caller does
+        with the outputs)."""
         if self.access == UNDER_NO_GRAD and i == 0:
             with torch.no_grad():
-                constant = _checkpointed(ckpt, self._block_fn(block), self.access, h)
+                constant = self._use(_checkpointed(ckpt, self._block_fn(block), self.access, h))
             return h + constant
-        return _checkpointed(ckpt, self._block_fn(block), self.access, h)
+        return self._use(_checkpointed(ckpt, self._block_fn(block), self.access, h))
+
+    def _use(self, outputs: Any) -> torch.Tensor:
+        return outputs if self.caller is None else self.caller(outputs)
+
+    def _nested(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """``DEPTH`` checkpoints nested in one another, the blocks taken in turn: each a closure over
+        the next (``nest``, which calls itself: a block that reaches itself through its closure) and
+        over the blocks' parameters, read once before the first call (the tensors a transform
+        differentiates, reached through ``nest``'s closure at every depth)."""
+        checkpointed = self.ckpt == "deep"
+        weights_of = [dict(block.named_parameters()) for block in self.blocks]  # read once, here
+
+        def nest(t, d):
+            if d == 0:
+                return t
+            i = (DEPTH - d) % len(self.blocks)
+            block, weights = self._block_fn(self.blocks[i]), weights_of[i]
+
+            def level(u):
+                return nest(self._use(functional_call(block, weights, (u,)) if weights else block(u)), d - 1)
+
+            return ckpt_guard.checkpoint(level, t) if checkpointed else level(t)
+
+        return nest(h, depth)
 
     @staticmethod
     def _set_timestep(block: nn.Module, i: int) -> None:
@@ -562,8 +619,8 @@ def _eager_leaves(pr) -> List[torch.Tensor]:
     return list(pr.params.values()) if pr.params else [p for p in pr.net.parameters()]
 
 
-def _backward_grads(pr, total, extra: Tuple[torch.Tensor, ...] = ()) -> List[torch.Tensor]:
-    leaves = [*_eager_leaves(pr), *extra]
+def _backward_grads(pr, total, extra: Tuple[torch.Tensor, ...] = (), leaves: Optional[list] = None) -> List[torch.Tensor]:
+    leaves = [*(_eager_leaves(pr) if leaves is None else leaves), *extra]
     total.backward()
     # which leaves autograd left without a gradient (None: an optimizer skips them), then the gradients
     untouched = torch.tensor([t.grad is None for t in leaves])
@@ -612,6 +669,22 @@ def _t_inside(pr):  # the outer transform over a block with a transform inside (
     return _t_grad(pr)
 
 
+def _t_eager_backward(pr):
+    # a plain training step: no torch.func at all (torch's own checkpoint recomputes, guarded)
+    total = pr.loss(pr.params, pr.buffers, pr.x)
+    return [total, *_backward_grads(pr, total)]
+
+
+def _loss_of(model, x):
+    return (torch.tanh(model(x)) * W_OUT).sum()
+
+
+def _t_meta(second_order: bool):
+    def run(pr):
+        return meta_learning.meta_step(pr, second_order, pr.net.access, _loss_of, _backward_grads)
+    return run
+
+
 TRANSFORMS: Dict[str, Callable[[Program], Any]] = {
     "grad": _t_grad,
     "vmap(grad), randomness same": _t_vmap_grad("same"),
@@ -631,7 +704,12 @@ TRANSFORMS: Dict[str, Callable[[Program], Any]] = {
     "ensemble (stack_module_state)": _t_ensemble,
     "grad inside the block": _t_inside,
     "vmap inside the block": _t_inside,
+    "eager .backward()": _t_eager_backward,
+    "meta step, first order": _t_meta(False),
+    "meta step, second order": _t_meta(True),
 }
+#: eager meta-learning steps: the only transforms a meta-learning library's way in takes
+META_TRANSFORMS = ("meta step, first order", "meta step, second order")
 
 #: transforms that differentiate no reverse mode: nothing for a checkpoint to save
 FORWARD_ONLY = frozenset({"jvp", "jacfwd", "linearize"})
@@ -683,7 +761,7 @@ def _program(cell: Cell, ckpt: Any) -> Program:
     generator = torch.Generator().manual_seed(1)
     xs = torch.randn(BATCH, T, D, dtype=DTYPE, generator=generator)
     v = torch.randn(T, D, dtype=DTYPE, generator=generator)
-    if cell.access == "module":
+    if cell.access == "module" or cell.access in meta_learning.LIBRARIES:  # the module keeps its own
         params, buffers = {}, {}
     else:
         params = {k: w.detach().clone().requires_grad_() for k, w in net.named_parameters()}
@@ -762,8 +840,14 @@ def run_cell(cell: Cell) -> Outcome:
 def _run_cell(cell: Cell) -> Outcome:
     if cell.access == "module" and cell.transform in OVER_PARAMETERS:
         return Outcome("n/a", "the transform takes the parameters; the module keeps its own here")
+    if cell.access in meta_learning.LIBRARIES and cell.transform not in META_TRANSFORMS:
+        return Outcome("n/a", "a meta-learning library drives an eager step of its own")
+    if (cell.access, cell.transform) == ("torchopt MetaSGD", "meta step, first order"):
+        return Outcome("n/a", "torchopt's MetaSGD always differentiates its step (no first order)")
     if cell.entry == "torch checkpoint_sequential, fallback" and cell.access != "module":
         return Outcome("n/a", "checkpoint_sequential takes modules")
+    if cell.entry == "torch checkpoint_sequential, fallback" and KINDS[cell.kind].caller is not None:
+        return Outcome("n/a", "checkpoint_sequential chains the blocks' outputs: no caller between them")
     policy, ckpt = ENTRIES[cell.entry]
     was_installed = ckpt_guard.is_installed()
     try:
@@ -773,6 +857,8 @@ def _run_cell(cell: Cell) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - the plain code raises: the guarded run must not return numbers
         reference, reference_error = None, exc
     before = _composable.counters.RECOMPUTES, _composable.counters.PACKED
+    crash: Optional[BaseException] = None
+    refusal = ""
     ckpt_guard.install(policy, rules={})
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -788,11 +874,17 @@ def _run_cell(cell: Cell) -> Outcome:
             except Exception as exc:  # noqa: BLE001
                 if reference is None:
                     return Outcome("n/a", f"the plain code raises {type(reference_error).__name__}")
-                return Outcome("CRASH", f"{type(exc).__name__}: {_short(exc)}")
+                crash = exc
     finally:
         ckpt_guard.uninstall()
+        if crash is not None:  # torch's own refusal, measured with the guard uninstalled
+            refusal = _torchs_own_refusal(cell, ckpt, crash)
         if was_installed:
             ckpt_guard.install("strict", rules={})
+    if crash is not None:
+        if refusal:
+            return Outcome("n/a", refusal)
+        return Outcome("CRASH", f"{type(crash).__name__}: {_short(crash)}")
     if reference is None:
         return Outcome("WRONG", f"the plain code raises {type(reference_error).__name__}: "
                                 f"{_short(reference_error)}, the checkpointed one returned numbers")
@@ -808,6 +900,31 @@ def _run_cell(cell: Cell) -> Outcome:
     if not words:  # ckpt_guard.checkpoint keeps the plain run, quietly, where nothing could be saved
         return Outcome("plain", "no reverse mode: nothing to save", "forward-only")
     return Outcome("plain", refusal_reason(words)[:300], refusal_class(words))
+
+
+#: torch's own loud refusals of a checkpoint variant, by design, each naming its fix: a cell whose
+#: guarded run ends in one is n/a where torch alone, unguarded, raises too (measured, never assumed)
+TORCH_REFUSALS = {
+    "incompatible with .grad()": "torch's reentrant checkpoint refuses torch.autograd.grad (its documented "
+                                 "limit; its error names use_reentrant=False)",
+    "selective activation checkpoint has been mutated": "torch's selective checkpointing refuses a block that "
+                                                         "writes in place into a tensor its policy saved (its own check)",
+}
+
+
+def _torchs_own_refusal(cell: Cell, ckpt: Any, exc: BaseException) -> str:
+    """The reason, where ``exc`` is one of :data:`TORCH_REFUSALS` and torch alone raises it too."""
+    text = str(exc)
+    found = next((why for marker, why in TORCH_REFUSALS.items() if marker in text), "")
+    if not found or ckpt_guard.is_installed():
+        return ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _execute(cell, ckpt)
+    except Exception:  # noqa: BLE001 - torch alone refuses this program too (loudly, never a number)
+        return found
+    return ""
 
 
 def _short(exc: BaseException) -> str:
@@ -868,7 +985,17 @@ def cells() -> List[Cell]:
             found[Cell(kind, transform, UNDER_NO_GRAD, "ckpt_guard.checkpoint, strict")] = None
     for kind, transform, access, entry in _pairwise([tuple(KINDS), tuple(TRANSFORMS), ACCESS, tuple(ENTRIES)]):
         found[Cell(kind, transform, access, entry)] = None
+    for kind in KINDS:  # every kind through each meta-learning library, both orders, both doors
+        for access in meta_learning.LIBRARIES:
+            for transform in META_TRANSFORMS:
+                for entry in LIBRARY_ENTRIES:
+                    found[Cell(kind, transform, access, entry)] = None
     return list(found)
+
+
+#: the entries the meta-learning libraries are crossed with: ckpt_guard.checkpoint and torch's
+LIBRARY_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback",
+                   "torch checkpoint (non-reentrant), fallback")
 
 
 # --------------------------------------------------------------------------

@@ -38,6 +38,8 @@ def test_every_kind_hands_on_the_plain_runs_tangents(kind, transform):
         pytest.skip(f"not a cell of the matrix: {outcome.detail}")
     if outcome.verdict == "plain" and outcome.refusal == "forward-only":
         pytest.skip("nothing to save: the block's output is a view of its input (the plain run is the result)")
+    if outcome.verdict in ("plain", "refused") and outcome.refusal == "aliasing-outputs":
+        pytest.skip("refused by design: its outputs share memory and the caller writes one (docs/limits.md)")
     assert outcome.verdict == "checkpointed", outcome
     assert counters.RECOMPUTES > before[1]  # the backward recomputed the blocks: the memory saving is kept
     assert counters.TANGENT_RECOMPUTES == before[0], "a block's jvp rule ran it again instead of handing on"
