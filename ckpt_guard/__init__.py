@@ -151,17 +151,15 @@ def checkpoint(
         )
     import torch
 
+    if torch.compiler.is_compiling():
+        # traced by dynamo: torch's checkpoint (its own higher-order op), or, under a torch.func
+        # transform running around the compiled code, the block plainly (_composable/compiled.py)
+        from ._composable import compiled as _compiled
+
+        return _compiled.traced_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
     from ._composable.entry import saved_tensors_hooks_option
 
     kwargs.update(saved_tensors_hooks_option(kwargs.pop("respect_saved_tensors_hooks", None)))
-    if torch.compiler.is_compiling():
-        # Dynamo turns torch's checkpoint into its own higher-order op; it cannot trace the
-        # guard's checks (the functorch interpreter stack, frames), and needs none: it
-        # refuses to compile under torch.func transforms anyway.
-        options = {} if context_fn is None else {"context_fn": context_fn}
-        return torch.utils.checkpoint.checkpoint(
-            function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **options, **kwargs
-        )
     from ._composable import entry as _entry
 
     return _entry.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)

@@ -42,7 +42,7 @@ from ._messages import (
     build_message, describe_checkpointed, describe_site, describe_variant, use_reentrant_defaulted,
     user_frame, your_code,
 )
-from ._rules import DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
+from ._rules import CALL_RULES, DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
 from ._rules import BUFFER_WRITES_RULE as _BUFFERS_RULE, RNG_RULE as _RNG_RULE
 
 # The patch points (``_layouts``' guards, handed this module by ``_patch``) reach the
@@ -287,6 +287,8 @@ def prepare_call(
     # compilation does not switch the guard off here.
     config = _scoped_config() or _config._installed
     if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
+        if config.active and _peek_interpreter_stack() is not None and not reentrant:
+            return _compiling_under_a_transform(config, function)
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
     grad = _is_grad_enabled()
     may_anticipate = config.may_fall_back
@@ -384,6 +386,43 @@ def prepare_call(
     if drew is not None:
         return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew, no_early_stop)
     return EarlyStopOff(guarded) if no_early_stop else guarded
+
+
+def _compiling_under_a_transform(config: _config.Config, function: Any) -> Any:
+    """torch's checkpoint traced by AOTAutograd while a torch.func transform runs around the compiled
+    code (``torch.compile(grad(f), backend="aot_eager"/"inductor")``): torch's own fails there ("don't
+    yet support saved tensor hooks").  Fallback traces the block plainly (right, its activations kept),
+    saying so; strict raises CKG001 saying what works; warn and off step aside (torch's error)."""
+    rule = _CKG001
+    policy = config.policy_for(rule.id)
+    if policy in ("warn", "off") or not rule.holds_on(_versions.installed()):
+        return STEP_ASIDE
+    words = (
+        "torch's checkpoint inside torch.compile, under a torch.func transform that runs around the compiled "
+        "code: torch's recompute fails there (saved tensor hooks under a grad transform), and ckpt_guard's "
+        "composable recompute cannot run inside a compiled region"
+    )
+    if policy == "fallback":
+        import warnings
+
+        from ._exceptions import CheckpointCompositionWarning
+
+        warnings.warn(CheckpointCompositionWarning(
+            f"[{rule.id}] {words}: ran the block without checkpointing, traced with the rest (policy fallback). "
+            "The result is the uncheckpointed program's; its activations are kept (no memory saving for it). "
+            "docs/compile.md says what keeps the saving.", rule,
+        ), stacklevel=3)
+        return NO_CHECKPOINT
+    raise CheckpointCompositionError(
+        f"[{rule.id}] {rule.title}\n  {words}.\n  fix:\n    - checkpoint with ckpt_guard.checkpoint, which runs the "
+        "block plainly there (and says so), or use policy fallback, which does the same for torch's checkpoint\n"
+        "    - or compile the block rather than the transform (grad(f), f calling a torch.compile'd block): "
+        "the composable recompute then keeps the memory saving\n  details: python -m ckpt_guard explain "
+        f"{rule.id}, docs/compile.md", rule,
+    )
+
+
+_CKG001 = next(rule for rule in CALL_RULES if rule.id == "CKG001")
 
 
 def _inside(bindings: list, guarded: Any, *args: Any, **kwargs: Any) -> Any:

@@ -37,10 +37,14 @@ OWN = frozenset(
     for name in ("__init__.py", "_config.py", "_events.py", "_hooks.py", "_layouts.py", "_patch.py",
                  "_versions.py", *DECISION, *STATE)
 )
-#: what dynamo skips, POSIX-style as dynamo compares them (also on Windows)
+#: the composable recompute, but for what ``ckpt_guard.checkpoint`` is when dynamo traces it
+COMPOSABLE = tuple(name for name in _room("_composable") if not name.endswith("compiled.py"))
+#: what dynamo skips, POSIX-style as dynamo compares them (also on Windows): the composable recompute
+#: too (a backward run from a compiled frame, its .backward() a graph break, would have dynamo compile
+#: the recompute's frames one by one)
 DYNAMO_SKIPPED = tuple(
     (pathlib.Path(PACKAGE_DIR) / name).as_posix()
-    for name in ("_patch.py", "_layouts.py", "_config.py", "_events.py", *DECISION, *STATE)
+    for name in ("_patch.py", "_layouts.py", "_config.py", "_events.py", *DECISION, *STATE, *COMPOSABLE)
 )
 
 

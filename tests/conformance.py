@@ -726,9 +726,12 @@ class Cell:
     transform: str
     access: str
     entry: str
+    #: how the program runs: eagerly (""), or under ``torch.compile`` with this backend (``COMPILED``)
+    compiled: str = ""
 
     def label(self) -> str:
-        return f"{self.kind} | {self.transform} | {self.access} | {self.entry}"
+        where = f" | compiled, {self.compiled}" if self.compiled else ""
+        return f"{self.kind} | {self.transform} | {self.access} | {self.entry}{where}"
 
 
 @dataclasses.dataclass
@@ -773,14 +776,19 @@ def _leaves(value) -> List[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _execute(cell: Cell, ckpt: Any) -> Tuple[List[torch.Tensor], int]:
-    """The cell's results (see the module docstring) and how many times its blocks' Python ran."""
+def _execute(cell: Cell, ckpt: Any, compiled: str = "") -> Tuple[List[torch.Tensor], int]:
+    """The cell's results (see the module docstring) and how many times its blocks' Python ran;
+    ``compiled``: the whole program (the transform included) under ``torch.compile`` with that backend."""
     RUNS.clear()
     program = _program(cell, ckpt)
+    run = TRANSFORMS[cell.transform]
+    if compiled:
+        _fresh_compiler()
+        run = torch.compile(run, backend=compiled)
     torch.manual_seed(2)
     results = []
     for _ in range(2):  # two steps: the second reads what the first kept of each block (_composable.shapes)
-        results += [r.detach().clone() for r in _leaves(TRANSFORMS[cell.transform](program))]
+        results += [r.detach().clone() for r in _leaves(run(program))]
     after = [torch.rand(1, dtype=DTYPE)]  # the global RNG as the program leaves it
     after += [b.detach().clone() for b in program.net.buffers()]
     after += [b.detach().clone() for b in program.buffers.values()]
@@ -788,6 +796,17 @@ def _execute(cell: Cell, ckpt: Any) -> Tuple[List[torch.Tensor], int]:
     counters += [len(m.log) for m in program.net.modules() if isinstance(m, _Logging)]
     after += [torch.tensor(float(c)) for c in counters]
     return results + after, sum(RUNS.values())
+
+
+def _fresh_compiler() -> None:
+    """dynamo's caches, and fake tensors' (a compile that failed under a forward-mode transform left
+    entries there that made the next cell's compile fail: measured on torch 2.13)."""
+    torch._dynamo.reset()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    clear = getattr(FakeTensorMode, "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def _compare(got: List[torch.Tensor], reference: List[torch.Tensor]) -> str:
@@ -831,10 +850,48 @@ def run_cell(cell: Cell) -> Outcome:
 
     meta = dict(fx_traceback.current_meta)
     try:
-        return _run_cell(cell)
+        outcome = _run_cell(cell)
     finally:
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(meta)
+    if cell.compiled and outcome.failed and COMPILER_FAILED_HERE[0]:
+        return _in_a_fresh_process(cell)
+    return outcome
+
+
+#: set once torch.compile failed on a cell's uncheckpointed program in this process: measured on torch
+#: 2.13, a compile that fails inside a forward-mode transform leaves state behind (no TLS, interpreter or
+#: dual level left over that could be reset) that makes a later cell's compile fail on fake tensors;
+#: a compiled cell failing after that is run again in a fresh process, whose outcome counts
+COMPILER_FAILED_HERE = [False]
+
+
+def _in_a_fresh_process(cell: Cell) -> Outcome:
+    import os
+    import subprocess
+
+    code = (
+        "import json, sys; sys.path.insert(0, {here!r}); import conformance as m\n"
+        "o = m.run_cell(m.Cell(*{fields!r})); print(json.dumps([o.verdict, o.detail, o.refusal]))"
+    ).format(here=os.path.dirname(os.path.abspath(__file__)), fields=dataclasses.astuple(cell))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    try:
+        verdict, detail, refusal = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return Outcome("CRASH", f"a fresh process ran it and printed no outcome: {done.stderr[-300:]}")
+    return Outcome(verdict, detail, refusal)
+    import torch._C._functorch as functorch
+    import torch.autograd.forward_ad as forward_ad
+
+    decrement = {"Grad": functorch._grad_decrement_nesting, "Vmap": functorch._vmap_decrement_nesting,
+                 "Jvp": functorch._jvp_decrement_nesting, "Functionalize": functorch._func_decrement_nesting}
+    for _ in range(16):
+        top = functorch.peek_interpreter_stack()
+        if top is None:
+            break
+        decrement[top.key().name]()
+    while forward_ad._current_level >= 0:
+        forward_ad.exit_dual_level(level=forward_ad._current_level)
 
 
 def _run_cell(cell: Cell) -> Outcome:
@@ -850,7 +907,7 @@ def _run_cell(cell: Cell) -> Outcome:
         return Outcome("n/a", "checkpoint_sequential chains the blocks' outputs: no caller between them")
     policy, ckpt = ENTRIES[cell.entry]
     was_installed = ckpt_guard.is_installed()
-    try:
+    try:  # the reference: the same program, neither compiled nor checkpointed
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reference, reference_runs = _execute(cell, _plain)
@@ -864,7 +921,7 @@ def _run_cell(cell: Cell) -> Outcome:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                got, runs = _execute(cell, ckpt)
+                got, runs = _execute(cell, ckpt, cell.compiled)
             except CheckpointCompositionError as exc:
                 if reference is None:
                     return Outcome("n/a", f"the plain code raises {type(reference_error).__name__}")
@@ -913,15 +970,29 @@ TORCH_REFUSALS = {
 
 
 def _torchs_own_refusal(cell: Cell, ckpt: Any, exc: BaseException) -> str:
-    """The reason, where ``exc`` is one of :data:`TORCH_REFUSALS` and torch alone raises it too."""
+    """The reason, where ``exc`` is one of :data:`TORCH_REFUSALS` and torch alone raises it too, or where
+    the compiled program fails to compile without checkpointing too (measured, the guard uninstalled)."""
     text = str(exc)
     found = next((why for marker, why in TORCH_REFUSALS.items() if marker in text), "")
+    if cell.compiled and not found:  # torch.compile itself refusing the program (a .backward() in fullgraph)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _execute(cell, _plain, cell.compiled)
+        except Exception as plain:  # noqa: BLE001
+            COMPILER_FAILED_HERE[0] = True
+            return f"torch.compile refuses the uncheckpointed program too: {type(plain).__name__}"
+        if "InternalTorchDynamoError" in type(exc).__name__ and "Nested forward mode AD" in text and ckpt is _nr:
+            # dynamo fails tracing torch's own checkpoint under forward mode, before any code of the guard
+            # runs (measured without the guard: the same error); ckpt_guard.checkpoint's cells are right
+            return "dynamo fails tracing torch's checkpoint under forward-mode AD (torch's own crash, at trace time)"
+        return ""
     if not found or ckpt_guard.is_installed():
         return ""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _execute(cell, ckpt)
+            _execute(cell, ckpt, cell.compiled)
     except Exception:  # noqa: BLE001 - torch alone refuses this program too (loudly, never a number)
         return found
     return ""
@@ -990,7 +1061,27 @@ def cells() -> List[Cell]:
             for transform in META_TRANSFORMS:
                 for entry in LIBRARY_ENTRIES:
                     found[Cell(kind, transform, access, entry)] = None
+    # the compile axis: a pairwise cover of kinds x transforms x entries x backends ("eager" and
+    # "aot_eager" trace and partition as inductor does, in seconds), and a few inductor cells
+    for kind, transform, entry, backend in _pairwise(
+        [COMPILED_KINDS, COMPILED_TRANSFORMS, COMPILED_ENTRIES, ("eager", "aot_eager")]
+    ):
+        found[Cell(kind, transform, "functional_call", entry, backend)] = None
+    for kind, transform, entry, backend in INDUCTOR_CELLS:
+        found[Cell(kind, transform, "functional_call" if transform != "eager .backward()" else "module", entry,
+                   backend)] = None
     return list(found)
+
+
+#: the compile axis (issue 47): what torch.func users compile, through both doors
+COMPILED_KINDS = ("mlp", "layernorm", "gelu mlp", "dropout", "batchnorm eval", "residual in place",
+                  "multihead attention", "embedding", "call counter")
+COMPILED_TRANSFORMS = ("grad", "vmap(grad), randomness different", "jacrev", "hessian", "jvp(grad)", "vjp(grad)",
+                       "eager .backward()", "jvp, then .backward()")
+COMPILED_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback")
+#: inductor takes ~90 s per compile on CI's 2 cores: two cells, one per door
+INDUCTOR_CELLS = (("mlp", "grad", "ckpt_guard.checkpoint, fallback", "inductor"),
+                  ("mlp", "eager .backward()", "torch checkpoint (non-reentrant), fallback", "inductor"))
 
 
 #: the entries the meta-learning libraries are crossed with: ckpt_guard.checkpoint and torch's

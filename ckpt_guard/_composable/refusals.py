@@ -81,6 +81,7 @@ REFUSAL_CLASSES = {
     "overlapping-write": "the block updates in place an input that shares memory with another input it is given",
     "long-container": "the block changes a container too long to keep a copy of",
     "aliasing-outputs": "two of the block's outputs share memory (h, h[0]): a write into one would miss the other's gradient",
+    "compiled-transform": "inside torch.compile under a torch.func transform: the recompute cannot run in a compiled region",
 }
 
 
