@@ -479,6 +479,9 @@ def _on_copies(guarded: Any, given: list, after: list, *args: Any, **kwargs: Any
             )
         if i < len(args) and isinstance(args[i], _Tensor):
             if version == before:  # not written by the forward: the tensor itself, as torch would read it
+                if _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(tensor).tangent is not None:
+                    args[i] = tensor  # a dual: as it is (a detached one has no tangent, and the recompute
+                    continue  # would save fewer tensors than the forward: "a different number ... saved")
                 with _modes_off(), _no_dispatch_modes():  # the guard's own detach: no user mode sees it
                     args[i] = tensor.detach().requires_grad_(args[i].requires_grad)
             else:  # the forward wrote it: a fresh copy on write of what the call found

@@ -642,6 +642,16 @@ def _t_jvp_grad_backward(pr):
     return [g, hvp, *grads]
 
 
+def _t_dual_backward(pr):
+    # eager forward-mode AD (torch.autograd.forward_ad, no torch.func): a dual input, then an eager
+    # backward through the value and its tangent, inside the dual level
+    with torch.autograd.forward_ad.dual_level():
+        out = pr.vector(pr.params, pr.buffers, torch.autograd.forward_ad.make_dual(pr.x, pr.v))
+        out, tangent = torch.autograd.forward_ad.unpack_dual(out)
+        tangent = torch.zeros_like(out) if tangent is None else tangent
+        return [out, tangent, *_backward_grads(pr, out.sum() + tangent.pow(2).sum())]
+
+
 def _t_vmap_backward(pr):
     out = vmap(pr.loss, in_dims=(None, None, 0), randomness="different")(pr.params, pr.buffers, pr.xs)
     return [out, *_backward_grads(pr, out.sum())]
@@ -685,6 +695,8 @@ def _t_meta(second_order: bool):
     return run
 
 
+#: eager forward-mode AD, no torch.func (found by the fuzzer: a dual input reached torch's recompute detached)
+DUAL_THEN_BACKWARD = "forward AD (dual tensors), then .backward()"
 TRANSFORMS: Dict[str, Callable[[Program], Any]] = {
     "grad": _t_grad,
     "vmap(grad), randomness same": _t_vmap_grad("same"),
@@ -700,6 +712,7 @@ TRANSFORMS: Dict[str, Callable[[Program], Any]] = {
     "jvp, then .backward()": _t_jvp_backward,
     "jvp(grad), then .backward()": _t_jvp_grad_backward,
     "vmap, then .backward()": _t_vmap_backward,
+    DUAL_THEN_BACKWARD: _t_dual_backward,
     "MAML": _t_maml,
     "ensemble (stack_module_state)": _t_ensemble,
     "grad inside the block": _t_inside,
@@ -1056,6 +1069,9 @@ def cells() -> List[Cell]:
             found[Cell(kind, transform, UNDER_NO_GRAD, "ckpt_guard.checkpoint, strict")] = None
     for kind, transform, access, entry in _pairwise([tuple(KINDS), tuple(TRANSFORMS), ACCESS, tuple(ENTRIES)]):
         found[Cell(kind, transform, access, entry)] = None
+    for kind in KINDS:  # eager forward AD on the module's own parameters (under functional_call's swap
+        for entry in LIBRARY_ENTRIES:  # an eager backward is CKG101's), through both doors
+            found[Cell(kind, DUAL_THEN_BACKWARD, "module", entry)] = None
     for kind in KINDS:  # every kind through each meta-learning library, both orders, both doors
         for access in meta_learning.LIBRARIES:
             for transform in META_TRANSFORMS:
