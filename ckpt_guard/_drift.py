@@ -26,6 +26,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _composable, _config, _events, _files, _state
 from ._composable import binding as _rebind
+from ._composable.function import unbatched_vmaps_set_aside as _unbatched_vmaps_set_aside
 from ._actions import NO_CHECKPOINT, PROCEED, _DRIFT_HOLDS, _DRIFT_NON_REENTRANT
 from ._exceptions import CheckpointCompositionError
 from ._messages import (
@@ -36,6 +37,8 @@ from ._rules import DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE
 from ._rules import BUFFER_WRITES_RULE as _BUFFERS_RULE, RNG_RULE as _RNG_RULE, Rule
 
 _is_grad_enabled = _state.is_grad_enabled
+_peek_stack = _state.peek_interpreter_stack
+_NO_CONTEXT = contextlib.nullcontext()
 _GONE = _state.GONE
 
 
@@ -193,13 +196,38 @@ def _recompute(
     function: Any, args: tuple, kwargs: dict, replays: Any, reads: Any, config: _config.Config,
     forward_state: tuple, site: tuple, nested: Optional[list],
 ) -> Any:
-    """The recompute itself, inside fallback's replays (the recompute sees what the forward saw)."""
-    if replays:
-        with contextlib.ExitStack() as stack:
-            for replay in replays:
-                stack.enter_context(replay)
-            return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
-    return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
+    """The recompute itself, inside fallback's replays (the recompute sees what the forward saw).
+
+    A vmap level on top that batches none of its inputs is set aside for it: a batched backward
+    (``autograd.grad(..., is_grads_batched=True)``, ``jacobian(..., vectorize=True)``) runs the
+    recompute under the vmap of its cotangents, where the block's random draws (dropout) are refused;
+    the forward ran under none, and replays its RNG state outside it.
+    """
+    aside = _unbatched_vmaps_set_aside([a for a in args if isinstance(a, _Tensor)]) if _peek_stack() else _NO_CONTEXT
+    with contextlib.ExitStack() as stack:
+        for replay in replays or ():
+            stack.enter_context(replay)
+        with aside, _outside_the_batched_backwards_vmap():
+            output = function(*args, **kwargs)
+        return _watch_output(output, reads, config, forward_state, site, nested)
+
+
+@contextlib.contextmanager
+def _outside_the_batched_backwards_vmap() -> Any:
+    """The legacy vmap a batched backward runs under (``is_grads_batched=True``), set aside for the
+    recompute: its inputs are the forward's, batched by none of it (measured: dropout raised there)."""
+    nesting = _vmapmode_increment() - 1  # read, by one step up and back
+    _vmapmode_decrement()
+    for _ in range(nesting):
+        _vmapmode_decrement()
+    try:
+        yield
+    finally:
+        for _ in range(nesting):
+            _vmapmode_increment()
+
+
+_vmapmode_increment, _vmapmode_decrement = _torch._C._vmapmode_increment_nesting, _torch._C._vmapmode_decrement_nesting
 
 
 def _kept_buffers_bound(kept: list) -> Any:

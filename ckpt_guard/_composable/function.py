@@ -336,6 +336,10 @@ def _unbatched_vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
     return _vmaps_set_aside(primals)
 
 
+#: the public name (torch's own recompute, run by the guard under a batched backward, sets them aside too)
+unbatched_vmaps_set_aside = _unbatched_vmaps_set_aside
+
+
 @contextlib.contextmanager
 def _vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
     with contextlib.ExitStack() as stack:
