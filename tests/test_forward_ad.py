@@ -175,3 +175,61 @@ def test_no_dual_anywhere_stays_quiet():
             guarded = model(x)
     assert events == []
     assert torch.equal(raw, guarded)
+
+
+# --------------------------------------------------------------------------
+# issue 46, item 11: a torch.library custom_op with only register_autograd, under forward mode
+
+def _custom_op():
+    name = "ckpt_guard_tests::sin_with_backward_only"
+    if _CUSTOM_OP:
+        return _CUSTOM_OP[0]
+    def sin(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x)
+
+    op = torch.library.custom_op(name, mutates_args=())(sin)
+    op.register_fake(lambda x: torch.empty_like(x))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.cos(x)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    _CUSTOM_OP.append(op)
+    return op
+
+
+_CUSTOM_OP: list = []  # defined once per process (a library op's name is global)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_a_custom_op_without_a_forward_formula_under_forward_mode_is_the_plain_program(transform, policy):
+    """Its output carries no tangent (torch.func.jvp gives the plain program a zero one); the block is
+    packed (its Linear's parameters require grad: an eager backward may follow), and the jvp rule
+    recomputed it under a grad level to make that zero, which such an op refuses ("must override the
+    setup_context staticmethod"). The zero is handed on instead."""
+    if not hasattr(torch.library, "custom_op"):
+        pytest.skip("torch.library.custom_op is torch 2.4's newest API; not on this torch")
+    op = _custom_op()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    v = torch.randn(2, 3, dtype=torch.float64)
+
+    def run(ckpt):
+        def f(t):
+            return ckpt(lambda u: op(lin(u)), t)
+
+        if transform == "jvp":
+            return torch.func.jvp(f, (x,), (v,))
+        return torch.func.jacfwd(f)(x)
+
+    reference = run(lambda block, t: block(t))
+    with ckpt_guard.policy(policy):
+        got = run(ckpt_guard.checkpoint)
+    for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(reference)):
+        torch.testing.assert_close(g, r)

@@ -460,8 +460,11 @@ def tangents_computed(outputs: Sequence[Tensor]) -> Optional[Tuple[int, Tuple[Te
     through it, so its outputs carry that jvp's tangents under their grad
     wrappers: the Function's jvp rule of that level can hand them on instead of
     running the block again under a jvp.  Cut from their graph.  None where no
-    such jvp level is alive (a vmap on top), or an output carries no tangent
-    (one the duals do not reach: the recompute makes its zero tangent).
+    such jvp level is alive (a vmap on top).  An output that carries no tangent
+    (the duals do not reach it, or an operation without a forward-mode formula
+    made it: a torch.library custom_op with only register_autograd) has a zero
+    one, as torch.func.jvp gives the plain program (a recompute under a grad
+    level for it would fail where such an op refuses one).
     """
     found = jvp_under_grad_levels()
     if found is None:
@@ -474,8 +477,9 @@ def tangents_computed(outputs: Sequence[Tensor]) -> Optional[Tuple[int, Tuple[Te
         for o in outputs:
             for grad_level in grad_levels:
                 o = _unwrap_for_grad(o, grad_level)
-            tangent = _state.forward_ad.unpack_dual(o).tangent
+            primal, tangent = _state.forward_ad.unpack_dual(o)
             if tangent is None:
-                return None
+                tangents.append(torch.zeros_like(_unwrap_for_grad(primal, level)).detach())
+                continue
             tangents.append(_unwrap_for_grad(tangent, level).detach())
     return level, tuple(tangents)
