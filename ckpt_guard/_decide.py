@@ -323,7 +323,7 @@ def prepare_call(
     modes_managed = (
         context_fn is not None and context_fn is not _noop_context_fn and _is_user_context_fn(context_fn)
     )
-    if may_anticipate and risk_visible(forward_state):
+    if may_anticipate and risk_visible(forward_state) and not _no_gradient_can_follow(function, args[first_input:]):
         if anticipate(config, forward_state, reentrant, reads, modes_managed) != PROCEED:
             return NO_CHECKPOINT
     bindings = forward_state[_BINDINGS_INDEX]
@@ -386,6 +386,17 @@ def prepare_call(
     if drew is not None:
         return RngWatch(guarded, config.policy_for(_RNG_RULE.id) == "fallback", drew, no_early_stop)
     return EarlyStopOff(guarded) if no_early_stop else guarded
+
+
+def _no_gradient_can_follow(function: Any, inputs: tuple) -> bool:
+    """No transform runs, and nothing the call reads requires grad (an evaluation under a swap with
+    detached parameters): no backward can follow, so no recompute can drift (issue 48: fallback
+    warned of a risk there).  Asked only where a risk is visible at call time."""
+    if _peek_interpreter_stack() is not None or _forward_ad._current_level >= 0:
+        return False
+    if any(isinstance(t, _Tensor) and _state.requires_grad_anywhere(t) for t in inputs):
+        return False
+    return not any(_state.requires_grad_anywhere(t) for t in _state.block_reads.trainable_tensors(function))
 
 
 def _compiling_under_a_transform(config: _config.Config, function: Any) -> Any:
@@ -645,7 +656,7 @@ def composable_instead(
         if policy != "fallback" or rule.fallback_runs or _non_reentrant_will_do(state, config, function):
             return None
     else:
-        if not grad or (state is not None and applying_rules(state)):
+        if not grad or (state is not None and applying_rules(state)) or _no_gradient_can_follow(function, args):
             return None  # nothing will be recomputed, or the user switched off the rule for this
         # only swaps and transforms matter here, not a mode's record
         rule = _anticipated_rule(config, _capture_without_mode_records(_reads_target(function, args)))
