@@ -290,6 +290,10 @@ def prepare_call(
         if config.active and _peek_interpreter_stack() is not None and not reentrant:
             return _compiling_under_a_transform(config, function)
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
+    if not reentrant and getattr(function, "__module__", None) == _DYNAMO_BODY and _peek_interpreter_stack() is not None:
+        # backend "eager" runs dynamo's checkpoint op by calling torch's checkpoint on the traced body: the
+        # same composition, at run time (a composable recompute's wrapped outputs would reach dynamo's next frame)
+        return _compiling_under_a_transform(config, function)
     grad = _is_grad_enabled()
     may_anticipate = config.may_fall_back
     if grad:  # what a recompute must find again (it first walks a new block, and notes an RReLU in it)
@@ -434,6 +438,8 @@ def _compiling_under_a_transform(config: _config.Config, function: Any) -> Any:
 
 
 _CKG001 = next(rule for rule in CALL_RULES if rule.id == "CKG001")
+#: the module of the wrapper through which dynamo's checkpoint op calls torch's checkpoint on its traced body
+_DYNAMO_BODY = "torch._higher_order_ops.wrap"
 
 
 def _inside(bindings: list, guarded: Any, *args: Any, **kwargs: Any) -> Any:

@@ -995,10 +995,12 @@ def _torchs_own_refusal(cell: Cell, ckpt: Any, exc: BaseException) -> str:
         except Exception as plain:  # noqa: BLE001
             COMPILER_FAILED_HERE[0] = True
             return f"torch.compile refuses the uncheckpointed program too: {type(plain).__name__}"
-        if "InternalTorchDynamoError" in type(exc).__name__ and "Nested forward mode AD" in text and ckpt is _nr:
-            # dynamo fails tracing torch's own checkpoint under forward mode, before any code of the guard
-            # runs (measured without the guard: the same error); ckpt_guard.checkpoint's cells are right
-            return "dynamo fails tracing torch's checkpoint under forward-mode AD (torch's own crash, at trace time)"
+        if ckpt is _nr and _same_crash_without_the_guard(cell, exc):
+            # dynamo traces torch's public checkpoint as its own higher-order op, which the guard never
+            # replaces, and fails there under some transforms (forward mode; backend "eager" faking a
+            # functorch-wrapped tensor) before any code of the guard runs; ckpt_guard.checkpoint's cells are right
+            return f"dynamo fails tracing torch's checkpoint under this transform (torch's own crash, at trace " \
+                   f"time, the same without the guard: {type(exc).__name__})"
         return ""
     if not found or ckpt_guard.is_installed():
         return ""
@@ -1009,6 +1011,17 @@ def _torchs_own_refusal(cell: Cell, ckpt: Any, exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - torch alone refuses this program too (loudly, never a number)
         return found
     return ""
+
+
+def _same_crash_without_the_guard(cell: Cell, exc: BaseException) -> bool:
+    """Whether torch's checkpoint, the guard uninstalled, fails this compiled cell with the same error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _execute(cell, _nr, cell.compiled)
+    except Exception as alone:  # noqa: BLE001
+        return type(alone) is type(exc) and _short(alone)[:80] == _short(exc)[:80]
+    return False
 
 
 def _short(exc: BaseException) -> str:
@@ -1094,7 +1107,8 @@ COMPILED_KINDS = ("mlp", "layernorm", "gelu mlp", "dropout", "batchnorm eval", "
                   "multihead attention", "embedding", "call counter")
 COMPILED_TRANSFORMS = ("grad", "vmap(grad), randomness different", "jacrev", "hessian", "jvp(grad)", "vjp(grad)",
                        "eager .backward()", "jvp, then .backward()")
-COMPILED_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback")
+COMPILED_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback",
+                    "torch checkpoint (non-reentrant), fallback")
 #: inductor takes ~90 s per compile on CI's 2 cores: two cells, one per door
 INDUCTOR_CELLS = (("mlp", "grad", "ckpt_guard.checkpoint, fallback", "inductor"),
                   ("mlp", "eager .backward()", "torch checkpoint (non-reentrant), fallback", "inductor"))

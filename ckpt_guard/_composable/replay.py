@@ -215,9 +215,37 @@ def _compiled_code_eager() -> Any:
     process-wide: while a block runs, another thread's compiled code runs
     eagerly too.
     """
-    if _SET_STANCE is None or "torch._dynamo" not in sys.modules:
+    if "torch._dynamo" not in sys.modules:
         return _NO_CONTEXT
-    return _EAGER_STANCE
+    return _EagerFrames()
+
+
+class _EagerFrames:
+    """The block's frames run eagerly: compiled code it calls (the stance, torch >= 2.6), and its own
+    frames, which a ``torch.compile`` region running around the call would compile.
+
+    Such a region, breaking its graph at the checkpoint call (a block that breaks the graph itself),
+    runs the call eagerly with its frame callback still set, and would compile the block's frames,
+    the recompute's included, over torch.func's wrappers (measured: dynamo fails faking them).  That
+    callback is this thread's, read where the region was entered: a stance set inside does not reach
+    it, so it is taken off while the block runs.
+    """
+
+    __slots__ = ("prior",)
+
+    def __enter__(self) -> None:
+        if _SET_STANCE is not None:
+            _EAGER_STANCE.__enter__()
+        self.prior = _set_eval_frame(None)
+
+    def __exit__(self, *exc: Any) -> None:
+        _set_eval_frame(self.prior)
+        if _SET_STANCE is not None:
+            _EAGER_STANCE.__exit__()
+
+
+def _set_eval_frame(callback: Any) -> Any:
+    return torch._C._dynamo.eval_frame.set_eval_frame(callback)
 
 
 class _SharedEagerStance:
