@@ -131,9 +131,12 @@ def setup(torch, size: str, workload: str, variant: str):
     d, heads, depth, seq, b_grad, b_vmap, b_jvp = SIZES[size]
     net = _model(torch, d, heads, depth, _ckpt_for(variant))
     params = {k: v.detach() for k, v in net.named_parameters()}
-    batch = {"grad": b_grad, "vmap(grad)": b_vmap, "jvp(grad)": b_jvp}[workload]
+    batch = {"grad": b_grad, "vmap(grad)": b_vmap, "jvp(grad)": b_jvp, ".backward()": b_grad}[workload]
     gen = torch.Generator().manual_seed(1)
     data = torch.randn(batch, seq, d, generator=gen)
+    if workload == ".backward()":  # no transform: torch's own checkpoint (memory.py --compile's anchor)
+        leaves = list(net.parameters())
+        return lambda: torch.autograd.grad(net(data).pow(2).mean(), leaves)
 
     def loss(p, x):
         return functional_call(net, p, (x,)).pow(2).mean()
