@@ -34,7 +34,7 @@ DECISION = ("_decide.py", "_drift.py", "_actions.py", "_messages.py", os.path.jo
 #: the guard's machinery, absolute paths
 OWN = frozenset(
     os.path.join(PACKAGE_DIR, name)
-    for name in ("__init__.py", "_config.py", "_events.py", "_hooks.py", "_layouts.py", "_patch.py",
+    for name in ("__init__.py", "_config.py", "_events.py", "_hooks.py", "_huggingface.py", "_layouts.py", "_patch.py",
                  "_versions.py", *DECISION, *STATE)
 )
 #: the composable recompute, but for what ``ckpt_guard.checkpoint`` is when dynamo traces it

@@ -33,7 +33,10 @@ Smaller patches feed the messages and the drift rules:
   cell of its ``@contextmanager`` wrapper, so parameter swaps become visible
   while the function object dynamo recognises stays the same;
 * ``Optimizer._optimizer_step_code`` (empty, called after every step) counts
-  optimizer steps and what they updated (CKG108).
+  optimizer steps and what they updated (CKG108);
+* transformers' checkpointing glue (``_huggingface``): its input-require-grads
+  hook made a no-op where torch.func refuses it, and a word where a layer with
+  checkpointing enabled runs in ``eval()`` and checkpoints nothing.
 
 And dynamo is told to skip the guard's files, as it skips torch's own
 checkpoint internals.
@@ -327,6 +330,22 @@ def _skip_in_dynamo(trace_rules: Any = None) -> None:
         _applied.append(lambda: skipped.difference_update(added))
 
 
+def _patch_huggingface(module: Any = None) -> None:
+    """transformers' checkpointing glue (``_huggingface``): now where imported, else when it is."""
+    with _lock:
+        if not _installed:
+            return
+        from . import _huggingface
+
+        for name, patch in ((_huggingface.MODELING_UTILS, _huggingface.patch_modeling_utils),
+                            (_huggingface.MODELING_LAYERS, _huggingface.patch_modeling_layers)):
+            loaded = sys.modules.get(name)
+            if loaded is not None:  # idempotent; a module still importing lacks the class and waits for its hook
+                patch(loaded, _set_attr)
+        for name in (_huggingface.MODELING_UTILS, _huggingface.MODELING_LAYERS):
+            _register_hook(_patch_huggingface, name)
+
+
 def _apply_patches() -> None:
     """Patch torch (which must be fully imported); idempotent.
 
@@ -347,6 +366,7 @@ def _apply_patches() -> None:
             return
         _patch_reparametrize()
         _watch_optimizer_steps()
+        _patch_huggingface()
         _skip_in_dynamo()
         if _config._installed.may_fall_back:
             enable_composable_fallback()
@@ -382,8 +402,8 @@ def _register_hook(hook: Callable[[Any], None], module_name: str) -> None:
         return
     import wrapt
 
+    _hooks_registered.add(module_name)  # first: wrapt calls a hook at once where the module is imported
     wrapt.register_post_import_hook(hook, module_name)
-    _hooks_registered.add(module_name)
 
 
 def enable_composable_fallback() -> None:
