@@ -398,9 +398,17 @@ def _no_gradient_can_follow(function: Any, inputs: tuple) -> bool:
     warned of a risk there).  Asked only where a risk is visible at call time."""
     if _peek_interpreter_stack() is not None or _forward_ad._current_level >= 0:
         return False
-    if any(isinstance(t, _Tensor) and _state.requires_grad_anywhere(t) for t in inputs):
-        return False
-    return not any(_state.requires_grad_anywhere(t) for t in _state.block_reads.trainable_tensors(function))
+    if not all(isinstance(value, _SEEN_THROUGH) for value in inputs):
+        return False  # an object the walk does not look into may hold a trainable tensor
+    # every tensor the call may read (a module passed as an argument, one in eval mode: its parameters too)
+    held = _state.block_reads.held_tensors(_partial(function, *inputs))
+    return not any(_state.requires_grad_anywhere(t) for t in held) and not any(
+        isinstance(t, _Tensor) and _state.requires_grad_anywhere(t) for t in inputs
+    )
+
+
+#: arguments whose tensors the reads walk sees (a module's, a container's), or that hold none
+_SEEN_THROUGH = (_Tensor, _torch.nn.Module, list, tuple, dict, int, float, bool, str, type(None))
 
 
 def _compiling_under_a_transform(config: _config.Config, function: Any) -> Any:

@@ -1082,6 +1082,10 @@ def cells() -> List[Cell]:
             found[Cell(kind, transform, UNDER_NO_GRAD, "ckpt_guard.checkpoint, strict")] = None
     for kind, transform, access, entry in _pairwise([tuple(KINDS), tuple(TRANSFORMS), ACCESS, tuple(ENTRIES)]):
         found[Cell(kind, transform, access, entry)] = None
+    for kind in KINDS:  # an eager step through every way in, both doors (found: a module passed as an
+        for access in ("closure", "module as argument", "argument", UNDER_NO_GRAD):  # argument was unseen)
+            for entry in LIBRARY_ENTRIES:
+                found[Cell(kind, "eager .backward()", access, entry)] = None
     for kind in KINDS:  # eager forward AD on the module's own parameters (under functional_call's swap
         for entry in LIBRARY_ENTRIES:  # an eager backward is CKG101's), through both doors
             found[Cell(kind, DUAL_THEN_BACKWARD, "module", entry)] = None

@@ -25,19 +25,29 @@ DTYPE = torch.float64
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")
 
 
+def _apply(module, x):
+    return module(x)
+
+
 class _Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
         self.block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()).to(DTYPE)
+        self.how = how
+        if how == "a module in eval()":
+            self.block.eval()  # its parameters are still differentiated
 
     def forward(self, x):
+        if self.how == "the module as an argument":  # the walk sees the tensors of the call's arguments too
+            return torch.utils.checkpoint.checkpoint(_apply, self.block, x, use_reentrant=False)
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
+@pytest.mark.parametrize("how", ["the module", "a module in eval()", "the module as an argument"])
 @pytest.mark.parametrize("requires_grad", [False, True], ids=["an evaluation", "a training step"])
-def test_fallback_warns_of_a_swap_only_where_a_backward_can_follow(requires_grad):
+def test_fallback_warns_of_a_swap_only_where_a_backward_can_follow(requires_grad, how):
     torch.manual_seed(0)
-    net = _Net()
+    net = _Net(how)
     params = {k: v.detach().clone().requires_grad_(requires_grad) for k, v in net.named_parameters()}
     x = torch.randn(2, 3, dtype=DTYPE)
     reference = net.block(x) if not requires_grad else None
