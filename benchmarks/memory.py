@@ -43,8 +43,10 @@ torch.func.jvp(net, (z, t), (v, 1))``, target from ``dudt.detach()``) with eager
 ``.backward()`` and under ``torch.func.grad``; a pre-LayerNorm transformer written
 by hand under ``grad``, ``vmap(grad)`` and ``jvp(grad)``, with the save policies of
 ``benchmarks/policies.py`` as variants (``save matmuls``, ``save named``: torch
-2.5+; that script also draws ``docs/policies.png``); per-sample gradients of a
-random-weight GPT-2 (with transformers installed).
+2.5+; that script also draws ``docs/policies.png``); a PINN's step (``grad`` of a
+Poisson residual whose Laplacian comes from ``hessian``, or ``jacrev(jacrev)``, of
+each collocation point, under ``vmap``); per-sample gradients of a random-weight
+GPT-2 (with transformers installed).
 
 The table's times are one step per variant, each in its own process: on a
 noisy machine a row moves by +-15 % from run to run.  ``--times`` measures time
@@ -146,6 +148,8 @@ MAML = {"quick": (128, 4, 2, 128), "medium": (256, 6, 4, 512), "full": (512, 8, 
 #: (width, blocks, batch)
 MEANFLOW = {"quick": (128, 4, 512), "medium": (256, 6, 1024), "full": (512, 8, 4096)}
 GPT2 = {"quick": (2, 64, 2, 32), "medium": (4, 128, 4, 64), "full": (6, 256, 8, 128)}
+#: (width, residual blocks, collocation points): a PINN on the unit square (issue 48: width 128)
+PINN = {"quick": (64, 3, 64), "medium": (128, 6, 256), "full": (128, 8, 1024)}
 
 
 def _mlp_grad(torch, size, variant):
@@ -334,6 +338,47 @@ def _vjp_of_grad_by_hand(torch, net, data, direction):
     return gradient, result
 
 
+def _pinn(how):
+    """A PINN's training step: ``grad`` over the parameters of a Poisson residual whose Laplacian is the
+    trace of each point's Hessian of ``u`` (``torch.func.hessian``, forward over reverse) or of
+    ``jacrev(jacrev(u))`` (reverse over reverse), vmapped over the collocation points."""
+
+    def setup(torch, size, variant):
+        from torch.func import functional_call, grad, hessian, jacrev, vmap
+
+        width, depth, points = PINN[size]
+
+        class Pinn(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.stem = torch.nn.Linear(2, width)
+                self.body = _mlp(torch, width, depth, 2, _ckpt_for(variant), residual=True)
+                self.head = torch.nn.Linear(width, 1)
+
+            def forward(self, x):
+                return self.head(self.body(torch.tanh(self.stem(x)))).squeeze(-1)
+
+        torch.manual_seed(1)
+        model = Pinn()
+        xs = torch.rand(points, 2)
+        source = torch.sin(torch.pi * xs[:, 0]) * torch.sin(torch.pi * xs[:, 1])
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        second = hessian if how == "hessian" else (lambda f, argnums: jacrev(jacrev(f, argnums), argnums))
+
+        def u(p, x):  # one point (2,) -> a scalar
+            return functional_call(model, p, (x[None],))[0]
+
+        def laplacian(p, x):
+            return torch.diagonal(second(u, argnums=1)(p, x)).sum()
+
+        def loss(p):
+            return (vmap(laplacian, in_dims=(None, 0))(p, xs) + source).pow(2).mean()
+
+        return lambda: grad(loss)(params)
+
+    return setup
+
+
 def _hessian(torch, size, variant):
     from torch.func import hessian
 
@@ -470,6 +515,7 @@ ALL = ("no checkpoint", "ckpt_guard.checkpoint", "fallback", "eager checkpoint")
 MLP_VARIANTS = (*ALL, SAVE_MATMULS) if _selective_checkpointing() else ALL
 PAIR = ("no checkpoint", "ckpt_guard.checkpoint")
 POLICY_VARIANTS = (*PAIR, SAVE_MATMULS, SAVE_NAMED) if _selective_checkpointing() else PAIR
+MLP_VARIANTS_NO_FALLBACK = (*PAIR, SAVE_MATMULS) if _selective_checkpointing() else PAIR
 WORKLOADS: Dict[str, tuple] = {
     "mlp grad": (_mlp_grad, MLP_VARIANTS, 0.5),
     "mlp vmap(grad) per-sample": (_mlp_per_sample, MLP_VARIANTS, 0.5),
@@ -486,6 +532,8 @@ WORKLOADS: Dict[str, tuple] = {
     "transformer grad": (_transformer("grad"), POLICY_VARIANTS, 0.5),
     "transformer vmap(grad) per-sample": (_transformer("vmap(grad)"), POLICY_VARIANTS, 0.5),
     "transformer jvp(grad)": (_transformer("jvp(grad)"), POLICY_VARIANTS, 0.5),
+    "pinn grad of a hessian Laplacian": (_pinn("hessian"), MLP_VARIANTS_NO_FALLBACK, 0.5),
+    "pinn grad of a jacrev(jacrev) Laplacian": (_pinn("jacrev(jacrev)"), MLP_VARIANTS_NO_FALLBACK, 0.5),
     "gpt2 vmap(grad) per-sample": (_gpt2_per_sample, ("no checkpoint", "fallback", "eager checkpoint"), 1.0),
 }
 #: --compile (issue 47): the transformer's step under torch.compile (inductor) as a whole, the transform
