@@ -400,11 +400,13 @@ def _no_gradient_can_follow(function: Any, inputs: tuple) -> bool:
         return False
     if not all(isinstance(value, _SEEN_THROUGH) for value in inputs):
         return False  # an object the walk does not look into may hold a trainable tensor
-    # every tensor the call may read (a module passed as an argument, one in eval mode: its parameters too)
-    held = _state.block_reads.held_tensors(_partial(function, *inputs))
-    return not any(_state.requires_grad_anywhere(t) for t in held) and not any(
-        isinstance(t, _Tensor) and _state.requires_grad_anywhere(t) for t in inputs
-    )
+    # every tensor the call may read (a module passed as an argument, one in eval mode: its parameters too),
+    # read where no mode of the user's sees the guard's reads
+    with _modes_off():
+        held = _state.block_reads.held_tensors(_partial(function, *inputs))
+        return not any(_state.requires_grad_anywhere(t) for t in held) and not any(
+            isinstance(t, _Tensor) and _state.requires_grad_anywhere(t) for t in inputs
+        )
 
 
 #: arguments whose tensors the reads walk sees (a module's, a container's), or that hold none
