@@ -290,9 +290,11 @@ def prepare_call(
         if config.active and _peek_interpreter_stack() is not None and not reentrant:
             return _compiling_under_a_transform(config, function)
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
-    if not reentrant and getattr(function, "__module__", None) == _DYNAMO_BODY and _peek_interpreter_stack() is not None:
+    if not reentrant and getattr(function, "__module__", None) == _DYNAMO_BODY and _peek_interpreter_stack() is not None \
+            and config.policy_for(_CKG001.id) != "warn":
         # backend "eager" runs dynamo's checkpoint op by calling torch's checkpoint on the traced body: the
-        # same composition, at run time (a composable recompute's wrapped outputs would reach dynamo's next frame)
+        # same composition, at run time (a composable recompute's wrapped outputs would reach dynamo's next frame);
+        # warn takes the usual path (CKG001's warning naming the traced block, then torch's error)
         return _compiling_under_a_transform(config, function)
     grad = _is_grad_enabled()
     may_anticipate = config.may_fall_back
@@ -417,21 +419,27 @@ def _compiling_under_a_transform(config: _config.Config, function: Any) -> Any:
     """torch's checkpoint traced by AOTAutograd while a torch.func transform runs around the compiled
     code (``torch.compile(grad(f), backend="aot_eager"/"inductor")``): torch's own fails there ("don't
     yet support saved tensor hooks").  Fallback traces the block plainly (right, its activations kept),
-    saying so; strict raises CKG001 saying what works; warn and off step aside (torch's error)."""
+    saying so; strict raises CKG001 saying what works; warn says so and steps aside (torch's error)."""
     rule = _CKG001
     policy = config.policy_for(rule.id)
-    if policy in ("warn", "off") or not rule.holds_on(_versions.installed()):
+    if policy == "off" or not rule.holds_on(_versions.installed()):
         return STEP_ASIDE
     words = (
         "torch's checkpoint inside torch.compile, under a torch.func transform that runs around the compiled "
         "code: torch's recompute fails there (saved tensor hooks under a grad transform), and ckpt_guard's "
         "composable recompute cannot run inside a compiled region"
     )
+    import warnings
+
+    from ._exceptions import CheckpointCompositionWarning
+
+    if policy == "warn":
+        warnings.warn(CheckpointCompositionWarning(
+            f"[{rule.id}] {words}: torch's checkpoint runs as asked (policy warn), and torch's error follows. "
+            "Policy fallback runs the block plainly there; docs/compile.md says what keeps the saving.", rule,
+        ), stacklevel=3)
+        return STEP_ASIDE
     if policy == "fallback":
-        import warnings
-
-        from ._exceptions import CheckpointCompositionWarning
-
         warnings.warn(CheckpointCompositionWarning(
             f"[{rule.id}] {words}: ran the block without checkpointing, traced with the rest (policy fallback). "
             "The result is the uncheckpointed program's; its activations are kept (no memory saving for it). "
