@@ -496,22 +496,23 @@ def _on_copies(guarded: Any, given: list, after: list, *args: Any, **kwargs: Any
     first) is recomputed from a copy on write of what the call found (``kept_inputs``:
     torch saved those); any other is the caller's own tensor, as torch would hand it
     (a marked mode writing into it during the forward and its replay see the same
-    tensor).  An input written after the forward (by the caller) is raised, as autograd
-    raises without checkpointing where the block saved it.
+    tensor).  An input written after the forward (by the caller) is recomputed from a copy
+    on write of what the forward read, and raised, as autograd raises without
+    checkpointing, where the block saved it (or a view of it): the recompute, which saves
+    what the forward saved, is watched for that.  A torch without a way to read its
+    recompute's saved-tensor hooks (``_top_saved_tensors_default_hooks``: 2.4) raises there.
     """
     args = list(args)
     with _modes_off():
         now = [tensor._version for _, tensor, _ in given]
+    written_after = []
     for (i, tensor, before), version, current in zip(given, after, now):
         if current != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: an input of a checkpointed call (a {tuple(tensor.shape)} tensor) was written in "
-                f"place after the block's forward read it (its version was {version}, now {current}). "
-                "Without checkpointing autograd raises the same where the block saved that input; "
-                "ckpt_guard: the recompute would read the new values, so it stops here (update a copy, or "
-                "write after the backward)"
-            )
+            if _top_hooks is None or not (i < len(args) and isinstance(args[i], _Tensor)):
+                raise _written_after(tensor, version, current)
+            args[i] = kept_inputs((args[i],))[0]  # what the call found (torch saved a copy on write of it)
+            written_after.append((args[i], tensor, version, current))
+            continue
         if i < len(args) and isinstance(args[i], _Tensor):
             if version == before:  # not written by the forward: the tensor itself, as torch would read it
                 if _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(tensor).tangent is not None:
@@ -521,7 +522,50 @@ def _on_copies(guarded: Any, given: list, after: list, *args: Any, **kwargs: Any
                     args[i] = tensor.detach().requires_grad_(args[i].requires_grad)
             else:  # the forward wrote it: a fresh copy on write of what the call found
                 args[i] = kept_inputs((args[i],))[0]
+    if written_after:
+        return _recompute_unless_saved(guarded, args, kwargs, written_after)
     return guarded(*args, **kwargs)
+
+
+_top_hooks = getattr(_torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _recompute_unless_saved(guarded: Any, args: list, kwargs: dict, written_after: list) -> Any:
+    """The recompute from what the call found, raised where the block saved an input the caller wrote since
+    (without checkpointing autograd raises there; where the block saved none, the plain program runs)."""
+    hooks = _top_hooks(False)  # torch's recomputation hook, around this call
+    if hooks is None:
+        _, tensor, version, current = written_after[0]
+        raise _written_after(tensor, version, current)
+    pack, unpack = hooks
+    copies = [copy for copy, _, _, _ in written_after]
+    saved: list = []
+
+    def watch(x: Any) -> Any:
+        if not saved:
+            for k, copy in enumerate(copies):
+                if x is copy or getattr(x, "_base", None) is copy:
+                    saved.append(k)
+                    break
+        return pack(x)
+
+    try:
+        with _torch.autograd.graph.saved_tensors_hooks(watch, unpack):
+            return guarded(*args, **kwargs)
+    finally:
+        if saved:  # raised even where torch stops the recompute early (once it has what it needs)
+            _, tensor, version, current = written_after[saved[0]]
+            raise _written_after(tensor, version, current)
+
+
+def _written_after(tensor: Any, version: int, current: int) -> RuntimeError:
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: an input of a checkpointed call (a {tuple(tensor.shape)} tensor) was written in "
+        f"place after the block's forward read and saved it (its version was {version}, now {current}). "
+        "Without checkpointing autograd raises the same here; ckpt_guard: update a copy, or write after "
+        "the backward"
+    )
 
 
 def _watch_device(guarded: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple) -> Any:
