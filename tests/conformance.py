@@ -893,18 +893,6 @@ def _in_a_fresh_process(cell: Cell) -> Outcome:
     except (ValueError, IndexError):
         return Outcome("CRASH", f"a fresh process ran it and printed no outcome: {done.stderr[-300:]}")
     return Outcome(verdict, detail, refusal)
-    import torch._C._functorch as functorch
-    import torch.autograd.forward_ad as forward_ad
-
-    decrement = {"Grad": functorch._grad_decrement_nesting, "Vmap": functorch._vmap_decrement_nesting,
-                 "Jvp": functorch._jvp_decrement_nesting, "Functionalize": functorch._func_decrement_nesting}
-    for _ in range(16):
-        top = functorch.peek_interpreter_stack()
-        if top is None:
-            break
-        decrement[top.key().name]()
-    while forward_ad._current_level >= 0:
-        forward_ad.exit_dual_level(level=forward_ad._current_level)
 
 
 def _run_cell(cell: Cell) -> Outcome:
@@ -959,6 +947,9 @@ def _run_cell(cell: Cell) -> Outcome:
         return Outcome("WRONG", f"the plain code raises {type(reference_error).__name__}: "
                                 f"{_short(reference_error)}, the checkpointed one returned numbers")
     wrong = _compare(got, reference)
+    if wrong and cell.compiled and _compiler_changes_the_numbers(cell, reference, got):
+        return Outcome("n/a", "torch.compile gives other numbers for the uncheckpointed program too (torch's own); "
+                              "the checkpointed one gives the compiled program's")
     if wrong:
         return Outcome("WRONG", wrong)
     # the forward kept no activations: packed into the recompute (which ran, if a backward did),
@@ -1011,6 +1002,24 @@ def _torchs_own_refusal(cell: Cell, ckpt: Any, exc: BaseException) -> str:
     except Exception:  # noqa: BLE001 - torch alone refuses this program too (loudly, never a number)
         return found
     return ""
+
+
+def _compiler_changes_the_numbers(cell: Cell, reference: List[torch.Tensor], got: List[torch.Tensor]) -> bool:
+    """Whether the same program compiled, uncheckpointed and unguarded, differs from the eager reference
+    (measured on torch 2.4.1: ``torch.compile(jacrev(...))`` of a BatchNorm in eval, aot_eager) and the
+    checkpointed run gives what it gives (the guard changed nothing of the compiled program's numbers)."""
+    was_installed = ckpt_guard.is_installed()
+    ckpt_guard.uninstall()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled, _ = _execute(cell, _plain, cell.compiled)
+    except Exception:  # noqa: BLE001 - a compile that fails here is not this question's answer
+        return False
+    finally:
+        if was_installed:
+            ckpt_guard.install("strict", rules={})
+    return bool(_compare(compiled, reference)) and not _compare(got, compiled)
 
 
 def _same_crash_without_the_guard(cell: Cell, exc: BaseException) -> bool:

@@ -34,6 +34,16 @@ def _outcome(backend: str):
         return _compiled_grad(backend), None
     except Exception as exc:  # noqa: BLE001 - what torch does is what is compared
         return None, exc
+    finally:
+        _hooks_back_on()
+
+
+def _hooks_back_on() -> None:
+    """An error inside a compiled grad leaves saved-tensor hooks disabled for the process (measured on
+    2.13 without the guard: the compiled code's disable is never undone), which would fail every later
+    checkpoint: put them back on, as the eager grad's context manager does."""
+    if torch._C._autograd._saved_tensors_hooks_get_disabled_error_message() is not None:
+        torch._C._autograd._saved_tensors_hooks_enable()
 
 
 def _mentions(exc: BaseException, rule_id: str) -> bool:

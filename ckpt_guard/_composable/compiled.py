@@ -30,33 +30,33 @@ from .. import _config
 _TORCH_OPTIONS = frozenset({"determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks", "use_reentrant"})
 
 
-def _stack_traceable() -> bool:
-    """Whether dynamo reads the functorch interpreter stack as it traces (torch 2.13 on; 2.4's does not,
-    and there torch's checkpoint inside compile(grad(f)) runs: measured)."""
-    try:
-        from torch._dynamo import trace_rules
-    except Exception:  # noqa: BLE001 - no dynamo: nothing is traced
-        return False
-    return "torch._C._functorch.peek_interpreter_stack" in getattr(trace_rules, "manual_torch_name_rule_map", {})
-
-
-_TRACEABLE = _stack_traceable()
-
-
 def under_a_transform() -> bool:
     """At trace time: a torch.func transform (grad, vmap, jvp, ...) or a forward-AD level runs around
     the frame being compiled (read by dynamo as a constant of the trace: dynamo's guard on the functorch
     stack recompiles where it differs)."""
-    return _TRACEABLE and _transform_live()
+    return _transform_live()
 
 
 def _live() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
 
 
-# dynamo wraps the interpreter stack it reads in an object it then never compares with None (measured:
-# always "not None"); run as plain Python at trace time instead
-_transform_live = torch._dynamo.assume_constant_result(_live) if _TRACEABLE else _live
+def _constant_at_trace_time(function: Any) -> Any:
+    """``function`` run as plain Python while dynamo traces, its result a constant of the trace.
+
+    torch 2.13's dynamo wraps the interpreter stack it reads in an object it then never compares with
+    None (measured: always "not None"); 2.4's cannot trace the query at all (a graph break), yet the
+    stack is live while it traces (measured), and there torch's checkpoint inside a compiled transform
+    gave wrong numbers (``jacrev``, ``vjp(grad)``, aot_eager: the matrix's 2.4.1 section).  Either way
+    the query runs as plain Python at trace time."""
+    try:
+        import torch._dynamo
+    except Exception:  # noqa: BLE001 - no dynamo: nothing is traced
+        return function
+    return torch._dynamo.assume_constant_result(function)
+
+
+_transform_live = _constant_at_trace_time(_live)
 
 
 def traced_checkpoint(function: Any, args: tuple, kwargs: dict, context_fn: Any, preserve_rng_state: bool) -> Any:
