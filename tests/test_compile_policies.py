@@ -87,3 +87,20 @@ def test_torchs_checkpoint_in_a_compiled_transform_keeps_each_policys_promise(po
         if raw_error is None:
             torch.testing.assert_close(got, raw)
         assert ("CKG001" in rules) == (policy == "warn" and raw_error is not None), rules
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("policy", [None, "strict", "warn", "fallback", "off"])
+def test_ckpt_guard_checkpoint_in_a_compiled_transform_is_right_and_said_unless_off(policy, backend):
+    """ckpt_guard.checkpoint never crashes in a compiled transform: the block runs plainly there, said
+    once (CKG001's words) under every policy but off (nothing installed: the environment's, strict)."""
+    reference = grad(lambda x: BLOCK(x).pow(2).sum())(X)
+    if policy is not None:
+        ckpt_guard.install(policy)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(grad(lambda x: ckpt_guard.checkpoint(BLOCK, x).pow(2).sum()), backend=backend)(X)
+    torch.testing.assert_close(got, reference)
+    rules = [w.message.rule.id for w in caught if isinstance(w.message, ckpt_guard.CheckpointCompositionWarning)]
+    assert rules == ([] if policy == "off" else ["CKG001"]), rules
