@@ -187,7 +187,8 @@ def _custom_op():
     def sin(x: torch.Tensor) -> torch.Tensor:
         return torch.sin(x)
 
-    op = torch.library.custom_op(name, mutates_args=())(sin)
+    # the schema spelt out: under ``from __future__ import annotations`` torch 2.4 cannot read the hints
+    op = torch.library.custom_op(name, mutates_args=(), schema="(Tensor x) -> Tensor")(sin)
     op.register_fake(lambda x: torch.empty_like(x))
 
     def setup_context(ctx, inputs, output):
@@ -228,7 +229,13 @@ def test_a_custom_op_without_a_forward_formula_under_forward_mode_is_the_plain_p
             return torch.func.jvp(f, (x,), (v,))
         return torch.func.jacfwd(f)(x)
 
-    reference = run(lambda block, t: block(t))
+    try:
+        reference = run(lambda block, t: block(t))
+    except RuntimeError as plain:  # torch 2.4: such an op refuses forward mode in the plain program too
+        with ckpt_guard.policy(policy), pytest.raises(RuntimeError, match="setup_context"):
+            run(ckpt_guard.checkpoint)
+        assert "setup_context" in str(plain)
+        return
     with ckpt_guard.policy(policy):
         got = run(ckpt_guard.checkpoint)
     for g, r in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(reference)):
