@@ -365,9 +365,12 @@ class ReadCheck(TorchFunctionMode):
         """
         given = [t for t in self.given_tensors if isinstance(t, Tensor)]
         given_ids = {id(t) for t in given}
-        given_nodes = {id(n): t for t, n in ((t, t.grad_fn) for t in given) if n is not None}
-        nodes_alive = [t.grad_fn for t in given]  # the ids above stay theirs while this runs
-        first, seen, index_of, read = self.first_node, set(), self.index_of, self.read
+        nodes_alive = [t.grad_fn for t in given]  # held: the ids below stay theirs while this runs
+        given_nodes = {id(n): t for t, n in zip(given, nodes_alive) if n is not None}
+        # seen: id -> node, each node held while this runs (a node's Python object is made on access and
+        # freed after; a freed one's id is reused by the next: measured on Python 3.9, which then skipped
+        # the leaf that the block read unseen and returned a wrong gradient)
+        first, seen, index_of, read = self.first_node, {}, self.index_of, self.read
         for output in outputs:
             if not isinstance(output, Tensor) or output.grad_fn is None:
                 continue
@@ -376,7 +379,7 @@ class ReadCheck(TorchFunctionMode):
                 node = stack.pop()
                 if node is None or id(node) in seen:
                     continue
-                seen.add(id(node))
+                seen[id(node)] = node
                 owner = given_nodes.get(id(node))
                 if owner is not None:  # a given tensor's history: read (unseen) by the block
                     if id(owner) in index_of:
