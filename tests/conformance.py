@@ -861,6 +861,12 @@ def run_cell(cell: Cell) -> Outcome:
     # fails comparing None with an int. Each cell leaves that dict as it found it.
     import torch.fx.traceback as fx_traceback
 
+    if cell.compiled and _COMPILED_CELLS_APART and not IN_A_FRESH_PROCESS[0]:
+        # measured on torch 2.15: after the compiled cells ran in this process, a later reentrant checkpoint
+        # under torch.device("meta") returned an output without a grad_fn and a composable recompute there
+        # read a tensor without storage (tests/test_default_device.py failed after them, passes alone;
+        # the cause is not found): there each compiled cell runs in a process of its own
+        return _in_a_fresh_process(cell)
     meta = dict(fx_traceback.current_meta)
     try:
         outcome = _run_cell(cell)
@@ -870,6 +876,12 @@ def run_cell(cell: Cell) -> Outcome:
     if cell.compiled and outcome.failed and COMPILER_FAILED_HERE[0]:
         return _in_a_fresh_process(cell)
     return outcome
+
+
+#: set in a child process that runs one cell (see _in_a_fresh_process)
+IN_A_FRESH_PROCESS = [False]
+#: where compiled cells run apart (see run_cell)
+_COMPILED_CELLS_APART = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) >= (2, 15)
 
 
 #: set once torch.compile failed on a cell's uncheckpointed program in this process: measured on torch
@@ -885,6 +897,7 @@ def _in_a_fresh_process(cell: Cell) -> Outcome:
 
     code = (
         "import json, sys; sys.path.insert(0, {here!r}); import conformance as m\n"
+        "m.IN_A_FRESH_PROCESS[0] = True\n"
         "o = m.run_cell(m.Cell(*{fields!r})); print(json.dumps([o.verdict, o.detail, o.refusal]))"
     ).format(here=os.path.dirname(os.path.abspath(__file__)), fields=dataclasses.astuple(cell))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
