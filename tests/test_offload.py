@@ -67,3 +67,42 @@ def test_offload_by_a_save_policy_under_the_transform_gives_the_uncheckpointed_g
         got = _per_sample(ckpt_guard.checkpoint, context_fn=cp.context_fn(cp.offload_dots))
     for name in reference:
         torch.testing.assert_close(got[name], reference[name], msg=name)
+
+
+# --------------------------------------------------------------------------
+# the user's save_on_cpu where torch allows it: around a vmap or jvp, then an eager .backward()
+
+import conformance as cf  # noqa: E402 - the matrix's kinds and its judge
+
+OFFLOADED_TRANSFORMS = ("vmap, then .backward()", "jvp, then .backward()", "eager .backward()")
+
+
+@pytest.mark.parametrize("pin_memory", [False, True], ids=["save_on_cpu", "save_on_cpu(pin_memory=True)"])
+@pytest.mark.parametrize("entry", ["ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback"])
+@pytest.mark.parametrize("transform", OFFLOADED_TRANSFORMS)
+@pytest.mark.parametrize("kind", list(cf.KINDS))
+def test_save_on_cpu_around_the_program_keeps_it_right(kind, transform, entry, pin_memory):
+    """Every kind, the whole program (the uncheckpointed reference too) inside ``save_on_cpu``.
+
+    A pinned copy (``pin_memory=True``, whose copy moves the copy's version) once read to the
+    composable recompute as an input written in place after the call: ChangedSinceForward where the
+    plain program is right.  What the user's hooks give back as a copy is what the call saw.
+    """
+    cell = cf.Cell(kind, transform, "module", entry)
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+        outcome = cf._run_cell(cell)
+    assert not outcome.failed, f"{cell.label()}: {outcome.verdict}: {outcome.detail}"
+
+
+def test_a_write_after_the_call_is_still_caught_under_hooks_that_give_the_input_back():
+    """``save_on_cpu`` on the CPU gives the input back as itself: a write into it after the call is
+    still the recompute's ChangedSinceForward (torch's autograd checks no version of what hooks packed:
+    without checkpointing this program is torch's silent wrong gradient; the guard stops it)."""
+    lin = torch.nn.Linear(3, 3).double()
+    xs = torch.randn(2, 3, dtype=torch.float64)
+    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        h = vmap(lin)(xs)
+        out = vmap(lambda t: ckpt_guard.checkpoint(lambda u: torch.exp(0.5 * u), t))(h)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="updated in place after the block's forward"):
+        out.sum().backward()

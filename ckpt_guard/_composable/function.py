@@ -40,8 +40,12 @@ class _Derivative:
     derivative that is differentiated again keeps its inputs, not its activations.
     """
 
-    def __init__(self, base: Any, kind: str, wanted: List[int], present: Sequence[bool]) -> None:
+    def __init__(
+        self, base: Any, kind: str, wanted: List[int], present: Sequence[bool], copied: frozenset = frozenset(),
+    ) -> None:
         self.base, self.kind, self.wanted, self.present = base, kind, wanted, list(present)
+        #: the base's inputs that came back from the user's saved-tensor hooks as copies (checked once)
+        self.copied = copied
         self.output_kept: List[bool] = []
         self.n_inputs = sys.maxsize  # all its operands are inputs: it computes its outputs
         #: (jvp level, tangents) of its outputs, computed where it ran at the caller's levels, until used
@@ -49,7 +53,7 @@ class _Derivative:
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
-        primals, extra = self.base.for_recompute(tensors[:n]), tensors[n:]
+        primals, extra = self.base.for_recompute(tensors[:n], self.copied), tensors[n:]
         with self.base.replay():
             if self.kind == "jvp":
                 return _jvp(self.base, primals, self.wanted, extra)
@@ -103,7 +107,8 @@ class _Derivative:
     def replay(self) -> Any:
         return contextlib.nullcontext()  # its function replays the base
 
-    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    def for_recompute(self, tensors: Sequence[Tensor], copied: frozenset = frozenset()) -> Tuple[Tensor, ...]:
+        self.copied = self.copied | copied  # its first operands are the base's inputs, in their order
         return tuple(tensors)  # its function asks the base
 
     def differentiable_outputs(self) -> List[bool]:
@@ -170,8 +175,8 @@ class _Batched:
     def replay(self) -> Any:
         return self.base.replay()
 
-    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        return self.base.for_recompute(tensors)
+    def for_recompute(self, tensors: Sequence[Tensor], copied: frozenset = frozenset()) -> Tuple[Tensor, ...]:
+        return self.base.for_recompute(tensors, copied)
 
     def differentiable_outputs(self) -> List[bool]:
         return self.base.differentiable_outputs()
@@ -354,6 +359,31 @@ def _vmaps_set_aside(primals: Sequence[Tensor]) -> Any:
 _NO_CONTEXT = contextlib.nullcontext()
 
 
+
+# torch 2.4-2.7 cannot tell: there inputs are checked as without hooks (stock torch refuses the user's
+# hooks under torch.func there: vmap switches them off too)
+_hooks_registered = _state.saved_tensor_hooks_registered or (lambda: False)
+
+
+def _copied_by_hooks(ctx: Any, saved: Sequence[Tensor]) -> frozenset:
+    """The inputs the user's saved-tensor hooks gave back in other memory than the input's.
+
+    ``save_on_cpu(pin_memory=True)`` packs a copy (its version counter moved by the copy), which
+    holds the input as the call saw it: what the recompute must read, whatever the caller wrote into
+    the input since.  Its version says nothing, so it is not checked.  An input given back in its own
+    memory (``save_on_cpu`` on the CPU returns an alias, which shares its version counter) is checked
+    as without hooks: autograd itself checks no version of what hooks packed (a write after the call
+    is torch's silent wrong gradient there), the recompute still does.  Memory is told by its address,
+    read at the call while the input was alive (a copy made then cannot share it).
+    """
+    if ctx.originals is None:
+        return frozenset()
+    return frozenset(
+        i for i, (address, t) in enumerate(zip(ctx.originals, saved))
+        if address is not None and _storage_address(t) != address
+    )
+
+
 class _Recompute(torch.autograd.Function):
     """The composable checkpoint: forward without activations, every rule a recompute.
 
@@ -376,6 +406,9 @@ class _Recompute(torch.autograd.Function):
         # with batched tangents, under jacfwd); a missing cotangent is a zero the backward makes
         ctx.set_materialize_grads(False)
         inputs_only = tensors[: node.n_inputs]
+        # under the user's saved-tensor hooks (save_on_cpu) what comes back may be the hook's copy, made
+        # as the call saw the input: see :func:`_copied_by_hooks`
+        ctx.originals = None if not _hooks_registered() else [_storage_address(t) for t in inputs_only]
         ctx.save_for_backward(*inputs_only)
         ctx.save_for_forward(*inputs_only)
         fixed = [o for o in output if not _differentiable_dtype(o)]
@@ -385,7 +418,9 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan = ctx.plan
-        tensors = plan.for_recompute(ctx.saved_tensors)
+        saved = ctx.saved_tensors  # unpacked once: through the user's hooks, each unpack may copy
+        copied = _copied_by_hooks(ctx, saved)
+        tensors = plan.for_recompute(saved, copied)
         extra = (None,) * (len(ctx.needs_input_grad) - 1 - len(tensors))  # the precomputed outputs
         needed = ctx.needs_input_grad[1:]
         reachable = plan.differentiable_inputs()
@@ -394,7 +429,7 @@ class _Recompute(torch.autograd.Function):
             return (None,) * (1 + len(tensors)) + extra
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
         if _differentiated_again(tensors, cotangents, saved_require_grad=getattr(plan, "eager_requires_grad", None)):
-            derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents])
+            derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents], copied)
             operands = (*tensors, *(c for c in cotangents if c is not None))
             grads = _levels.apply(derivative, *operands, *derivative.run_for_tangents(operands))
         else:  # nothing differentiates this again: no graph kept, the least memory
@@ -427,7 +462,9 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, plan_tangent: Any, *tangents: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
         plan = ctx.plan
-        tensors = plan.for_recompute(ctx.saved_tensors)
+        saved = ctx.saved_tensors  # unpacked once: through the user's hooks, each unpack may copy
+        copied = _copied_by_hooks(ctx, saved)
+        tensors = plan.for_recompute(saved, copied)
         tangents = tangents[: len(tensors)]  # the precomputed outputs carry none
         kept = plan.differentiable_outputs()
         reachable = plan.differentiable_inputs(forward=True)
@@ -451,7 +488,7 @@ class _Recompute(torch.autograd.Function):
             precomputed = _take_tangents(plan, own)
             counters.TANGENT_RECOMPUTES += precomputed is None
         if _differentiated_again(tensors, directions, own):
-            derivative = _Derivative(plan, "jvp", wanted, ())
+            derivative = _Derivative(plan, "jvp", wanted, (), copied)
             if precomputed is not None:
                 derivative.n_inputs = len(tensors) + len(directions)
             output_tangents = _levels.apply(derivative, *tensors, *directions, *(precomputed or ()))

@@ -441,7 +441,7 @@ class Plan:
         """The Function's forward: the plain run's outputs, as they arrive at this level (never a rerun)."""
         return tuple(t.detach() for t in tensors[self.n_inputs:])
 
-    def for_recompute(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    def for_recompute(self, tensors: Sequence[Tensor], copied: frozenset = frozenset()) -> Tuple[Tensor, ...]:
         """The saved inputs, checked: every input the forward read must still be what it read.
 
         An input the forward updated in place (a BatchNorm's running
@@ -450,10 +450,11 @@ class Plan:
         that copy (:meth:`call`), so the update happens once, as without
         checkpointing; an input needing a gradient that the block rewrites
         idempotently (``rewritten``) is copied too.  Any other input whose
-        version moved raises :class:`ChangedSinceForward`.
+        version moved raises :class:`ChangedSinceForward`; one the user's saved-tensor hooks gave back
+        as a copy (``copied``: ``save_on_cpu(pin_memory=True)``) is what the call saw, whatever its version.
         """
         for i, (t, was) in enumerate(zip(tensors, self.versions_after)):
-            if was is not None and i not in self.pre_forward and _version(_base(t)) != was:
+            if was is not None and i not in self.pre_forward and i not in copied and _version(_base(t)) != was:
                 self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
                 raise self._changed_since_forward(i, t, was)
         for ref, was, _ in self.constants:

@@ -69,6 +69,7 @@ from .basics import (  # noqa: F401
     requires_grad_anywhere,
     requires_grad_of,
     saved_tensor_hooks_enabled,
+    saved_tensor_hooks_registered,
 )
 from .transforms import (  # noqa: F401
     describe_transforms,

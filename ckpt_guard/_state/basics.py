@@ -24,6 +24,22 @@ saved_tensor_hooks_enabled: Callable[[], bool] = (
     torch._C._autograd._saved_tensors_hooks_is_enabled
 )
 is_grad_enabled = torch.is_grad_enabled
+
+
+def _hooks_reader() -> Optional[Callable[[], bool]]:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # torch 2.4-2.7 cannot tell
+        return None
+    try:
+        top(True)
+        return lambda: top(True) is not None
+    except TypeError:  # an early form took no argument
+        return lambda: top() is not None
+
+
+#: whether saved-tensor hooks (the user's ``save_on_cpu``, a library's offload) are registered now:
+#: what autograd saves then goes through them; None on a torch that cannot tell (2.4-2.7)
+saved_tensor_hooks_registered: Optional[Callable[[], bool]] = _hooks_reader()
 Tensor = torch.Tensor
 Module = torch.nn.Module
 _GONE = object()
