@@ -312,7 +312,9 @@ _CALL_RULES = [
         variants=(NON_REENTRANT,),
         trigger=(
             "checkpoint(use_reentrant=False) runs with grad enabled under torch.func.grad, vjp, "
-            "jacrev or hessian, at any depth (e.g. vmap(grad(f)))"
+            "jacrev or hessian, at any depth (e.g. vmap(grad(f))), where they have switched "
+            "saved-tensor hooks off (stock torch always does; a torch patched to allow them at first "
+            "order, as JetBrains' opaque does, is read live and not refused there)"
         ),
         symptom=(
             "raises RuntimeError: torch.func.{grad, vjp, jacrev, hessian} don't yet support "
@@ -333,7 +335,12 @@ _CALL_RULES = [
         torch_note="torch.func's grad transforms refuse saved tensor hooks (pytorch#85972)",
         yields_to=("CKG007",),
         probe=_probe_grad_transform,
-        applies=lambda s: not s.reentrant and s.grad_enabled and _under_grad_transform(s),
+        # read live, not by release: torch's grad transforms switch saved-tensor hooks off for their
+        # whole body, and a torch patched to allow them at first order (as JetBrains' opaque does)
+        # runs this composition; only where the hooks are off at the call does torch refuse it
+        applies=lambda s: (
+            not s.reentrant and s.grad_enabled and _under_grad_transform(s) and not s.saved_tensor_hooks_enabled
+        ),
     ),
     Rule(
         id="CKG002",

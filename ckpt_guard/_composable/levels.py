@@ -233,6 +233,33 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 
 
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch >= 2.8
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def _hooks_set_aside() -> List[Any]:
+    """The user's saved-tensor hooks, popped off torch's stack, innermost first (see :func:`vjp`).
+
+    Stock torch switches them off under its grad transforms, so none is registered here; a torch
+    patched to allow them at first order (JetBrains' opaque) lets ``save_on_cpu`` around
+    ``vmap(grad(f))`` reach the recompute, whose own level would count as a second order and raise.
+    What checkpointing keeps (the inputs, saved at the caller's level) still goes through them; the
+    recompute's own tensors live only while it runs and are not theirs to offload.
+    """
+    aside: List[Any] = []
+    if _top_hooks is not None:
+        while (top := _top_hooks(True)) is not None:
+            aside.append(top)
+            _pop_hooks()
+    return aside
+
+
+def _hooks_put_back(aside: List[Any]) -> None:
+    for pack, unpack in reversed(aside):
+        _push_hooks(pack, unpack)
+
+
 def _hooks_back(previous: Any) -> None:
     """Saved-tensor hooks as they were before ``_disable_hooks`` (torch's disable_saved_tensors_hooks' exit)."""
     if previous is None:
@@ -256,6 +283,7 @@ def vjp(
     tensors made to require grad at the level, not differentiated (the block read them
     requiring grad at its call: it sees them so again, see :func:`as_the_call_saw`).
     """
+    aside = _hooks_set_aside()
     hooks = _hooks_disabled_message()
     _disable_hooks(_NO_SAVED_TENSOR_HOOKS)
     try:
@@ -279,14 +307,19 @@ def vjp(
             _functorch_c._grad_decrement_nesting()
     finally:
         _hooks_back(hooks)
+        _hooks_put_back(aside)
 
     def pullback(cotangents: Sequence[Tensor], unreached: str = "zeros") -> Tuple[Optional[Tensor], ...]:
         """The gradients (the level has exited: its wrappers are dead, the gradients are the level
         below's); where the outputs do not reach a wanted tensor, a zero (torch.func's answer), or
         None with ``unreached="none"`` (eager autograd's: a leaf's ``.grad`` stays None)."""
         create_graph = torch.is_grad_enabled()
-        with torch.autograd.graph.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS), _disable_inference_mode():
-            grads = _gradients(outputs, differentiated, cotangents, create_graph)
+        aside = _hooks_set_aside()
+        try:
+            with torch.autograd.graph.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS), _disable_inference_mode():
+                grads = _gradients(outputs, differentiated, cotangents, create_graph)
+        finally:
+            _hooks_put_back(aside)
         if unreached == "zeros":
             return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, differentiated))
         return grads
