@@ -22,7 +22,7 @@ import torch
 
 from . import block_reads as _reads
 from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
-from .modules import _block_module, _structure, module_containers_seen, module_generators_seen
+from .modules import _block_module, _structure, closure_held, module_containers_seen, module_generators_seen
 
 
 # --------------------------------------------------------------------------
@@ -326,21 +326,21 @@ def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict
 
 
 def _module_containers(function: object) -> list:
-    """``[(label, list or dict)]`` the block's module (itself, its bound method, a partial of either)
-    holds as attributes its classes' code names: a log it appends to, a memo, a cache (CKG112)."""
+    """``[(label, list or dict)]`` the block's module (itself, its bound method, a partial of either; or
+    each module its closure's cells hold) holds as attributes its classes' code names: a log it appends
+    to, a memo, a cache (CKG112)."""
     if not module_containers_seen[0]:
         return []
     block = _block_module(function)
-    if not isinstance(block, Module):
-        return []
     found = []
-    for path, name in _structure(block).containers:
-        try:
-            value = vars(block.get_submodule(path) if path else block).get(name)
-        except AttributeError:
-            continue
-        if type(value) in (list, dict):
-            found.append((f"the attribute {type(block).__name__}{'.' + path if path else ''}.{name}", value))
+    for module in [block] if isinstance(block, Module) else closure_held(block):
+        for path, name in _structure(module).containers:
+            try:
+                value = vars(module.get_submodule(path) if path else module).get(name)
+            except AttributeError:
+                continue
+            if type(value) in (list, dict):
+                found.append((f"the attribute {type(module).__name__}{'.' + path if path else ''}.{name}", value))
     return found
 
 

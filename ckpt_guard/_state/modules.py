@@ -339,7 +339,8 @@ def block_snapshot(function: object) -> tuple:
     partial of either, ``partial(forward, module)``) a shallow copy of each of its modules' parameter and
     buffer dicts, of their forward (pre-)hook dicts (C-level copies: names and
     values, the cheapest way to keep them), and each module's ``training``;
-    for a function its closure cells' contents, ``()`` and None.  Read on
+    for a function its closure cells' contents, ``()`` and None (a closure
+    holding modules: see :func:`_closure_snapshot`).  Read on
     every checkpoint call.  Compared as plain tuples: an entry that is the
     same object compares equal without looking at it; one that is another
     tensor cannot be compared (:func:`differs` says so).
@@ -369,7 +370,7 @@ def block_snapshot(function: object) -> tuple:
             return _NOTHING
         for value in cells:
             if isinstance(value, Module):  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
-                return ClosureRead((cells, tuple(_closure_module_tensors(m) for m in _held_modules(cells)))), (), None, (), ()
+                return _closure_snapshot(cells)
         return cells, (), None, (), ()
     return _NOTHING
 
@@ -397,12 +398,55 @@ def _held_modules(cells: tuple) -> list:
     return [value for value in cells if isinstance(value, Module)]
 
 
-def _closure_module_tensors(module: Module) -> Optional[tuple]:
-    """The tensor part of ``module``'s snapshot, or None past :data:`CLOSURE_MODULE_LIMIT` or unreadable."""
+def _closure_module_snapshot(module: Module) -> Optional[tuple]:
+    """``module``'s snapshot, or None past :data:`CLOSURE_MODULE_LIMIT` or unreadable."""
     if len(_structure(module).paths) > CLOSURE_MODULE_LIMIT:
         return None
     snapshot = block_snapshot(module)
-    return snapshot[0] if snapshot is not _NOTHING else None
+    return snapshot if snapshot is not _NOTHING else None
+
+
+def _closure_snapshot(cells: tuple) -> tuple:
+    """A closure's snapshot: its cells, and the parts of the snapshot of each module a cell holds.
+
+    The tensors each module holds (CKG110), and, joined in the cells' order, its modules' train/eval
+    flags (CKG106, CKG117) and the plain attributes their code names (CKG115): a block given as
+    ``lambda h: norm(counter(h))`` advances the counter and the running statistics in its forward,
+    and torch's recompute would advance them again, as for the module given itself.  Hooks and
+    instance forwards (CKG111, CKG116) are the module's own business: not for a closure.
+    """
+    snapshots = [_closure_module_snapshot(m) for m in _held_modules(cells)]
+    kept = [s for s in snapshots if s is not None]
+    training = tuple(flag for s in kept for flag in s[2])
+    attributes = tuple(value for s in kept for value in s[3])
+    return ClosureRead((cells, tuple(None if s is None else s[0] for s in snapshots))), (), training, attributes, ()
+
+
+def snapshot_modules(function: object) -> list:
+    """The modules in the order of the snapshot's training part: the block's module and its submodules,
+    or those of each module a closure holds (within :data:`CLOSURE_MODULE_LIMIT`); [] if a shape changed."""
+    block = _block_module(function)
+    if isinstance(block, Module):
+        return _structure(block).modules(block)
+    modules: list = []
+    for module in closure_held(block):
+        found = _structure(module).modules(module)
+        if not found:
+            return []
+        modules += found
+    return modules
+
+
+def closure_held(function: object) -> list:
+    """The modules a closure's cells hold whose snapshot it takes (see :func:`_closure_snapshot`)."""
+    cells = getattr(function, "__closure__", None)
+    if type(function) is not types.FunctionType or not cells:
+        return []
+    try:
+        held = _held_modules(tuple(cell.cell_contents for cell in cells))
+    except ValueError:
+        return []
+    return [m for m in held if len(_structure(m).paths) <= CLOSURE_MODULE_LIMIT]
 
 
 def differs(was: object, now: object) -> bool:
@@ -593,8 +637,8 @@ def module_training(function: object) -> Optional[tuple]:
     """CKG106's part of :func:`block_snapshot`: each of the checkpointed module's modules' ``training``.
 
     Every submodule's, so that fallback can recompute each in the mode it had
-    (a frozen BatchNorm in eval inside a training model).  ``None`` for other
-    functions: a closure's modules are not looked for on every call.
+    (a frozen BatchNorm in eval inside a training model); for a closure, those of
+    each module its cells hold (see :func:`_closure_snapshot`).  ``None`` for other functions.
     """
     return block_snapshot(function)[2]
 
@@ -650,8 +694,7 @@ def describe_training(training: Optional[tuple]) -> str:
 
 def retrained(was: tuple, function: object) -> list:
     """``[(module, forward flag)]`` for each module whose train/eval mode differs now from ``was``."""
-    block = _block_module(function)
-    modules = _structure(block).modules(block)
+    modules = snapshot_modules(function)
     if len(modules) != len(was):
         return []
     return [(m, flag) for m, flag in zip(modules, was) if m.training != flag]
@@ -738,11 +781,14 @@ module_attributes.takes_function = instance_forwards.takes_function = True  # ty
 def _attribute_owners(function: object) -> list:
     """``[(module, name)]`` in the order of the snapshot's attribute part ([] if not a module's)."""
     block = _block_module(function)
-    if not isinstance(block, Module):
-        return []
-    structure = _structure(block)
-    modules = structure.modules(block)
-    return [(modules[i], name) for i, name in structure.attributes] if modules else []
+    owners: list = []
+    for module in [block] if isinstance(block, Module) else closure_held(block):
+        structure = _structure(module)
+        modules = structure.modules(module)
+        if not modules:
+            return []
+        owners += [(modules[i], name) for i, name in structure.attributes]
+    return owners
 
 
 def reattributed(was: tuple, function: object) -> list:

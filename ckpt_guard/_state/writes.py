@@ -14,7 +14,7 @@ decision binds a fresh clone of each for every recompute (on its thread only), s
 the recompute starts from what the forward started from and writes into the clone,
 and the module keeps what the forward left.  Modules in eval mode update nothing and
 cost nothing.  Owns: finding those buffers (the block's module, its bound method or
-partial) and keeping them.  May not touch: the decision (``_drift`` binds them).
+partial, the modules a closure holds) and keeping them.  May not touch: the decision (``_drift`` binds them).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .basics import Module
-from .modules import _block_module, _structure
+from .modules import _block_module, _structure, closure_held
 
 Kept = List[Tuple[Module, str, torch.Tensor]]
 
@@ -35,8 +35,14 @@ def kept_buffers(function: object, training: Optional[tuple]) -> Optional[Kept]:
     if not training or not any(training):
         return None
     block = _block_module(function)
-    if not isinstance(block, Module):
-        return None
+    if not isinstance(block, Module):  # a closure: each module it holds, its part of the flags in turn
+        kept_all: Kept = []
+        start = 0
+        for module in closure_held(block):
+            n = len(_structure(module).paths)
+            kept_all += kept_buffers(module, training[start:start + n]) or []
+            start += n
+        return (kept_all or None) if start == len(training) else None
     structure = _structure(block)
     wanted = [i for i, ((_, _, _, has_buffers), flag) in enumerate(zip(structure.shape, training)) if has_buffers and flag]
     if not wanted:
