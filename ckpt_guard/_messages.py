@@ -398,7 +398,9 @@ def _with_refusal(message: str, refused: str) -> str:
     lines = [*lines[:at], why, *lines[at:]]  # the cause next to the variant, before the fixes
     # the headline names what the user called, and the change that makes it work comes first
     code, _, title = lines[0].partition(" ")
-    lines[0] = f"{code} ckpt_guard.checkpoint could not use its composable recompute ({title})"
+    kind = getattr(refused, "kind", "")  # the refusal class first: it is why (a new user read past the rule's title)
+    because = f": {kind}" if kind else ""
+    lines[0] = f"{code} ckpt_guard.checkpoint could not use its composable recompute{because} ({title})"
     fix = getattr(refused, "fix", "")
     if fix and "  fix:" in lines:
         at = lines.index("  fix:") + 1
