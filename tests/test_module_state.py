@@ -393,3 +393,33 @@ def test_state_behind_a_closure_of_a_closure_is_not_watched():
     got, _ = installed_under("strict", program, CLOSURE_ENTRIES["torch checkpoint (non-reentrant)"])
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r)
+
+
+# the matrix's kinds, each given as a closure over its module (the module keeps its own parameters:
+# no functional_call, whose CKG101 would speak first), under the transforms torch's path recomputes in
+import itertools  # noqa: E402
+
+import conformance as cf  # noqa: E402
+
+CLOSURE_TRANSFORMS = ("eager .backward()", "vmap, then .backward()", "jvp, then .backward()", "grad")
+CLOSURE_CELL_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback",
+                        "torch checkpoint (non-reentrant), fallback", "torch checkpoint (reentrant), fallback")
+
+
+def _closure_cells():
+    turns = itertools.cycle(CLOSURE_CELL_ENTRIES)
+    return [cf.Cell(kind, transform, "module", next(turns)) for kind in cf.KINDS for transform in CLOSURE_TRANSFORMS]
+
+
+@pytest.mark.parametrize("cell", _closure_cells(), ids=lambda c: c.label().replace("| module |", "| closure, own parameters |"))
+def test_every_kind_given_as_a_closure_over_its_module(cell, monkeypatch):
+    checkpointed = cf._checkpointed
+
+    def through_a_closure(ckpt, block, access, h):
+        if access == "module" and ckpt is not cf._plain:
+            return ckpt(lambda t: block(t), h)
+        return checkpointed(ckpt, block, access, h)
+
+    monkeypatch.setattr(cf, "_checkpointed", through_a_closure)
+    outcome = cf._run_cell(cell)
+    assert not outcome.failed, f"{cell.label()} (a closure): {outcome.verdict}: {outcome.detail}"

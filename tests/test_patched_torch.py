@@ -69,22 +69,7 @@ def _raw(cell):
     return "wrong" if cf._compare(got, reference) else "right"
 
 
-#: a block given as a closure over its modules is not watched for the state its forward advances
-#: (docs/limits.md, CKG115 and CKG117): on stock torch CKG101 refuses these cells first (the swap is
-#: gone at the recompute); the patched torch re-enters the swap, and the second update shows
-_CLOSURE_STATE = {"call counter", "appends to a list it holds", "batchnorm train, running stats"}
-
-
-def _marked(cell):
-    if (cell.kind in _CLOSURE_STATE and cell.access == "closure" and cell.entry == STRICT_TORCH
-            and cell.transform == "eager .backward()"):
-        return pytest.param(cell, marks=pytest.mark.xfail(strict=True, reason=(
-            "a closure's modules are not watched for the state their forward advances (docs/limits.md): "
-            "torch's recompute advances it again")))
-    return cell
-
-
-@pytest.mark.parametrize("cell", [_marked(c) for c in _cells()], ids=lambda c: c.label())
+@pytest.mark.parametrize("cell", _cells(), ids=lambda c: c.label())
 def test_a_patched_torch_is_judged_by_what_it_does(patched, cell):
     outcome = cf._run_cell(cell)
     assert not outcome.failed, f"{cell.label()}: {outcome.verdict}: {outcome.detail}"
