@@ -291,6 +291,18 @@ def _under_grad_transform(s: "CallState") -> bool:
     return "grad" in s.transform_names
 
 
+def _hooks_refused_here(s: "CallState") -> bool:
+    """Whether torch refuses a non-reentrant checkpoint under this grad transform, read live, not by
+    release: torch's grad transforms switch saved-tensor hooks off for their whole body; a torch patched
+    to allow them at first order (as JetBrains' opaque does) runs the checkpoint, unless its vmap
+    switches them off for a pullback run under it later (``jacrev``'s, on torch 2.4)."""
+    if not s.saved_tensor_hooks_enabled:
+        return True
+    from ._state import vmap_switches_saved_tensor_hooks_off
+
+    return vmap_switches_saved_tensor_hooks_off()
+
+
 # the transforms that are not reverse-mode AD (jacfwd shows as vmap + jvp)
 _FORWARD_TRANSFORMS = frozenset({"vmap", "jvp", "functionalize"})
 
@@ -314,7 +326,8 @@ _CALL_RULES = [
             "checkpoint(use_reentrant=False) runs with grad enabled under torch.func.grad, vjp, "
             "jacrev or hessian, at any depth (e.g. vmap(grad(f))), where they have switched "
             "saved-tensor hooks off (stock torch always does; a torch patched to allow them at first "
-            "order, as JetBrains' opaque does, is read live and not refused there)"
+            "order, as JetBrains' opaque does, is read live and not refused there, unless its vmap "
+            "switches them off for a later pullback)"
         ),
         symptom=(
             "raises RuntimeError: torch.func.{grad, vjp, jacrev, hessian} don't yet support "
@@ -335,11 +348,8 @@ _CALL_RULES = [
         torch_note="torch.func's grad transforms refuse saved tensor hooks (pytorch#85972)",
         yields_to=("CKG007",),
         probe=_probe_grad_transform,
-        # read live, not by release: torch's grad transforms switch saved-tensor hooks off for their
-        # whole body, and a torch patched to allow them at first order (as JetBrains' opaque does)
-        # runs this composition; only where the hooks are off at the call does torch refuse it
         applies=lambda s: (
-            not s.reentrant and s.grad_enabled and _under_grad_transform(s) and not s.saved_tensor_hooks_enabled
+            not s.reentrant and s.grad_enabled and _under_grad_transform(s) and _hooks_refused_here(s)
         ),
     ),
     Rule(

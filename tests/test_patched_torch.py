@@ -23,6 +23,7 @@ from torch.func import functional_call, grad, vmap
 
 import ckpt_guard
 from ckpt_guard import CheckpointCompositionError
+from ckpt_guard._state import vmap_switches_saved_tensor_hooks_off
 
 import conformance as cf
 from patched_torch import first_order_hooks_allowed, opaque_patches
@@ -76,6 +77,10 @@ def test_a_patched_torch_is_judged_by_what_it_does(patched, cell):
     if cell.entry != STRICT_TORCH or outcome.verdict == "n/a":
         return
     raw = _raw(cell)
+    if raw == "right" and vmap_switches_saved_tensor_hooks_off() and "CKG001" in outcome.detail:
+        # torch 2.4: its vmap switches the hooks off, so a pullback run later under a vmap (jacrev's)
+        # would fail, and the call cannot tell; CKG001 refuses there as on the stock torch (measured)
+        return
     if raw == "right":  # where the patched torch is right, strict lets it run
         assert outcome.verdict != "refused", f"{cell.label()}: the patched torch is right, strict refused: {outcome.detail}"
     elif raw == "raises":  # where it raises, strict explains first (where it is wrong, the right result
@@ -94,14 +99,15 @@ def test_the_stand_in_changes_what_torch_does():
             lambda h: functional_call(net, p, (h,)), x[None], use_reentrant=False).sum()
         return vmap(grad(loss), in_dims=(None, 0))(params, torch.randn(2, 3, dtype=torch.float64))
 
-    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+    refused = "saved tensor hooks|_NoopSaveInputs"  # torch 2.4 refuses at the vmap first (CKG007)
+    with pytest.raises(RuntimeError, match=refused):
         per_sample()
     with opaque_patches():
         allowed = first_order_hooks_allowed()
         if allowed:
             per_sample()
         else:
-            with pytest.raises(RuntimeError, match="saved tensor hooks"):
+            with pytest.raises(RuntimeError, match=refused):
                 per_sample()
     assert not first_order_hooks_allowed()  # taken off again
 

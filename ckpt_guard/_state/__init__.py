@@ -70,6 +70,7 @@ from .basics import (  # noqa: F401
     requires_grad_of,
     saved_tensor_hooks_enabled,
     saved_tensor_hooks_registered,
+    vmap_switches_saved_tensor_hooks_off,
 )
 from .transforms import (  # noqa: F401
     describe_transforms,

@@ -37,6 +37,23 @@ def _hooks_reader() -> Optional[Callable[[], bool]]:
         return lambda: top() is not None
 
 
+_vmap_hooks_off: list = []
+
+
+def vmap_switches_saved_tensor_hooks_off() -> bool:
+    """Whether this torch's vmap switches saved-tensor hooks off for its body (2.4 does, 2.13 does not).
+
+    Measured once, where it is asked: only where a grad transform left them on (a torch patched to
+    allow them at first order): a pullback run later under vmap (``jacrev``'s) would find them off.
+    """
+    if not _vmap_hooks_off:
+        seen: list = []
+        with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+            torch.func.vmap(lambda x: (seen.append(saved_tensor_hooks_enabled()), x)[1])(torch.zeros(1))
+        _vmap_hooks_off.append(not seen[0])
+    return _vmap_hooks_off[0]
+
+
 #: whether saved-tensor hooks (the user's ``save_on_cpu``, a library's offload) are registered now:
 #: what autograd saves then goes through them; None on a torch that cannot tell (2.4-2.7)
 saved_tensor_hooks_registered: Optional[Callable[[], bool]] = _hooks_reader()
