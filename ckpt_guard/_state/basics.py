@@ -47,6 +47,8 @@ def vmap_switches_saved_tensor_hooks_off() -> bool:
     allow them at first order): a pullback run later under vmap (``jacrev``'s) would find them off.
     """
     if not _vmap_hooks_off:
+        if torch.compiler.is_compiling():  # never a vmap of the guard's own in a traced program: say so
+            return True
         seen: list = []
         with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
             torch.func.vmap(lambda x: (seen.append(saved_tensor_hooks_enabled()), x)[1])(torch.zeros(1))
