@@ -273,6 +273,18 @@ def current() -> Config:
     return _installed if scoped is None else scoped
 
 
+def for_ckpt_guard_checkpoint(scoped: "Config | None" = None) -> Config:
+    """The configuration ``ckpt_guard.checkpoint`` applies: a scope's (``scoped``, read by the caller on
+    its hot path), else the installed one where there is one (``install("off")`` is a policy in
+    force, not the absence of one), else the environment's (strict by default, without install())."""
+    if scoped is not None:
+        return scoped
+    installed = _installed
+    if installed.active or installed.source != "default":
+        return installed
+    return from_environment()
+
+
 def push_scope(config: Config) -> contextvars.Token:
     return _scoped.set(config)
 

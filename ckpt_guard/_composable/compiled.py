@@ -105,11 +105,7 @@ def _warn_plain(ctx: Any = None) -> None:
     from .._exceptions import CheckpointCompositionWarning
     from .._rules import rule_by_id
 
-    # the policy ckpt_guard.checkpoint applies (as _composable.entry reads it): a scope, the installed one
-    # (install("off") is a policy in force), else the environment's
-    installed = _config._installed
-    config = _config.scoped_config() or (installed if installed.active or installed.source != "default" else None)
-    if (config or _config.from_environment()).policy_for("CKG001") == "off":
+    if _config.for_ckpt_guard_checkpoint(_config.scoped_config()).policy_for("CKG001") == "off":
         return
     message = CheckpointCompositionWarning(PLAIN_UNDER_COMPILE, rule_by_id("CKG001"))
     where = _traced_line(ctx)

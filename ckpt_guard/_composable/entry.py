@@ -306,10 +306,7 @@ def public_checkpoint(
             return _checked_without_install(function, args, kwargs, options, preserve_rng_state, scoped)
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     named_eager = eager and not swapped  # (names is not None)
-    installed = _config._installed  # install("off") is a policy in force, not the absence of one
-    config = scoped or (installed if installed.active or installed.source != "default" else None)
-    if config is None:
-        config = _config.from_environment()
+    config = _config.for_ckpt_guard_checkpoint(scoped)
     # torch's own options (determinism_check, debug, ...) are for torch's checkpoint, not the block
     block_kwargs = {k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS}
     built = _composable.plan(function, args, block_kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
