@@ -589,7 +589,7 @@ def _write_second_through_data(t, a, b):
 
 def test_inputs_sharing_memory_are_recomputed_from_their_forward_values():
     """Two views of one tensor, or a tensor and its ``.data`` (separate version counters, one storage):
-    the write through one is seen for both; no false UnrepeatableForward, no recompute from the new value."""
+    the write through one is seen for both; no false refusal, no recompute from the new value."""
     def views(ckpt):
         h = torch.zeros(8)
         x = torch.linspace(0.1, 1, 12).reshape(3, 4).requires_grad_()

@@ -6,7 +6,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 =============  ===================================================================
 ``entry``      ``ckpt_guard.checkpoint``: torch's own checkpoint outside torch.func,
                else this recompute (or, where it refuses, the rule that says why)
-``call``       :func:`checkpoint_call`: plan the call, refuse what cannot be packed,
+``call``       :func:`plan` and :func:`run`: plan the call, refuse what cannot be packed,
                run the first forward, pack its outputs into the Function
 ``binding``    the walk: what the block reaches (modules' tensors bound per thread,
                closures, partials, containers, arguments), lifted as inputs
@@ -126,7 +126,7 @@ from __future__ import annotations
 
 from . import counters  # noqa: F401 - read as _composable.counters.RECOMPUTES
 from .basics import SELECTIVE_CACHING_MODE  # noqa: F401
-from .call import checkpoint_call, plan, run  # noqa: F401
+from .call import plan, run  # noqa: F401
 from .refusals import (  # noqa: F401
     NOTHING_TO_SAVE, REFUSAL_CLASSES, ChangedSinceForward, Reason, Refused, describe_reason,
 )

@@ -1,9 +1,9 @@
 """The entry of one call into the composable recompute: pack it, or say why not.
 
-:func:`checkpoint_call` plans the call (:func:`plan`: the walk in ``binding``), refuses
-what cannot be packed (a compiled function, TorchScript, a tensor subclass, a global
-tensor needing a gradient...), runs the first forward (:func:`run`) with compiled code
-inside the block held eager, and packs the outputs into the Function.  May not touch:
+:func:`plan` plans the call (the walk in ``binding``) and refuses what cannot be packed
+(a compiled function, TorchScript, a tensor subclass, a global tensor needing a
+gradient...); :func:`run` runs the first forward, with compiled code inside the block held
+eager, and packs the outputs into the Function.  May not touch:
 the decision (``_decide``, ``entry``) that calls it.
 """
 
@@ -309,14 +309,3 @@ def _reverse_mode_can_follow(outputs: Sequence[Tensor]) -> bool:
     if _state.grad_level_alive():
         return True
     return any(_base(t).requires_grad for t in outputs)
-
-
-def checkpoint_call(
-    function: Callable[..., Any], args: tuple, kwargs: dict, *, context_fn: Any = None,
-    preserve_rng_state: bool = True,
-) -> Any:
-    """Checkpoint ``function(*args, **kwargs)`` composably; :class:`Refused` if that would be wrong."""
-    built = plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
-    if isinstance(built, str):
-        raise Refused(built)
-    return run(built)

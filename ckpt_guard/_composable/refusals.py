@@ -92,14 +92,6 @@ NOTHING_TO_SAVE = (
 )
 
 
-class UnrepeatableForward(RuntimeError):
-    """Kept for compatibility: the forward updated an input in place without the proof keeping its value.
-
-    Since the first forward is the plain run, such a call is no longer
-    raised: it keeps the plain run's result, unpacked (:class:`Refused`).
-    """
-
-
 class ChangedSinceForward(RuntimeError):
     """A tensor the block reads was updated in place between its forward and this recompute.
 

@@ -174,14 +174,12 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool]:
     return [], _opaque(value)
 
 
-def _referenced(function: Any, skip_cells: frozenset = frozenset()) -> Iterator[Any]:
-    """What a Python function holds: closure cells (but ``skip_cells``), default arguments, its globals."""
+def _referenced(function: Any) -> Iterator[Any]:
+    """What a Python function holds: closure cells, default arguments, its globals."""
     cells = _attribute(function, "__closure__")
     if cells is _BROKEN:
         raise LookupError("__closure__")
     for cell in cells or ():
-        if id(cell) in skip_cells:
-            continue
         try:
             yield cell.cell_contents
         except ValueError:  # an empty cell
@@ -220,14 +218,8 @@ def clear_caches() -> None:
     _global_names_of.clear()
 
 
-def reads_of(function: Any, skip_cells: frozenset = frozenset()) -> Reads:
-    """Walk ``function`` (see the module docstring); never raises.
-
-    ``skip_cells``: ids of closure cells not to look into, wherever met (the
-    composable recompute asks whether a tensor it lifts from a cell is also
-    reachable some other way; a cell shared by two closures is redirected for
-    both).
-    """
+def reads_of(function: Any) -> Reads:
+    """Walk ``function`` (see the module docstring); never raises."""
     found: dict = {"whole": [], "partial": [], "tensors": [], "deep": [], "deep_tensors": []}
     direct_unseen = deep_unseen = False
     seen: set = set()
@@ -263,7 +255,7 @@ def reads_of(function: Any, skip_cells: frozenset = frozenset()) -> Reads:
                             deeper.append((owner, False, True))
                         todo.append((obj.__func__, False, look_into))
                 elif look_into and isinstance(obj, types.FunctionType):
-                    held = _referenced(obj, skip_cells)
+                    held = _referenced(obj)
                     unseen = _queue_held(held, todo, deeper, budget)
                     deep_unseen = deep_unseen or unseen
                     direct_unseen = direct_unseen or (unseen and not is_deep)
