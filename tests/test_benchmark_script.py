@@ -118,3 +118,23 @@ def test_blocks_rows_runs_the_residual_blocks_under_grad_only():
     assert "vmap(grad)" not in out and "tiny" not in out and "medium" not in out, out
     # torch 2.5+ has selective checkpointing: the policy's line is there
     assert ("with matmuls saved" in out) == hasattr(tuc, "create_selective_checkpoint_contexts"), out
+
+
+def test_offload_with_checkpointing_keeps_checkpointings_saving():
+    """benchmarks/offload.py: on a torch patched to allow saved-tensor hooks under vmap(grad), offload
+    and ckpt_guard.checkpoint together peak below offload alone (checkpointing's saving is kept);
+    where this torch refuses the hooks under vmap (2.4), the rows say so."""
+    import re
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_GUARD_")}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "offload.py"), "--size", "medium"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    peaks = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| ([^|]+) \| (\d+) \|", proc.stdout, re.M)}
+    assert peaks["ckpt_guard.checkpoint"] < 0.7 * peaks["no checkpoint"], proc.stdout
+    if "save_on_cpu" in peaks:
+        assert peaks["save_on_cpu + ckpt_guard.checkpoint"] < 0.9 * peaks["save_on_cpu"], proc.stdout
+    else:
+        assert "refused by this torch" in proc.stdout, proc.stdout
