@@ -439,8 +439,10 @@ def snapshot_modules(function: object) -> list:
 
 def closure_held(function: object) -> list:
     """The modules a closure's cells hold whose snapshot it takes (see :func:`_closure_snapshot`)."""
-    cells = getattr(function, "__closure__", None)
-    if type(function) is not types.FunctionType or not cells:
+    if type(function) is not types.FunctionType:  # never an attribute read on the user's object
+        return []
+    cells = function.__closure__
+    if not cells:
         return []
     try:
         held = _held_modules(tuple(cell.cell_contents for cell in cells))
