@@ -362,7 +362,7 @@ _NO_CONTEXT = contextlib.nullcontext()
 
 # torch 2.4-2.7 cannot tell: there inputs are checked as without hooks (stock torch refuses the user's
 # hooks under torch.func there: vmap switches them off too)
-_hooks_registered = _state.saved_tensor_hooks_registered or (lambda: False)
+_top_hooks = _state.top_saved_tensor_hooks or (lambda: None)
 
 
 def _copied_by_hooks(ctx: Any, saved: Sequence[Tensor]) -> frozenset:
@@ -408,7 +408,7 @@ class _Recompute(torch.autograd.Function):
         inputs_only = tensors[: node.n_inputs]
         # under the user's saved-tensor hooks (save_on_cpu) what comes back may be the hook's copy, made
         # as the call saw the input: see :func:`_copied_by_hooks`
-        ctx.originals = None if not _hooks_registered() else [_storage_address(t) for t in inputs_only]
+        ctx.originals = None if _top_hooks() is None else [_storage_address(t) for t in inputs_only]
         ctx.save_for_backward(*inputs_only)
         ctx.save_for_forward(*inputs_only)
         fixed = [o for o in output if not _differentiable_dtype(o)]

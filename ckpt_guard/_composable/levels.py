@@ -233,7 +233,7 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 
 
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # torch >= 2.8
+_top_hooks = _state.top_saved_tensor_hooks  # torch >= 2.8
 _push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 
@@ -249,7 +249,7 @@ def _hooks_set_aside() -> List[Any]:
     """
     aside: List[Any] = []
     if _top_hooks is not None:
-        while (top := _top_hooks(True)) is not None:
+        while (top := _top_hooks()) is not None:
             aside.append(top)
             _pop_hooks()
     return aside

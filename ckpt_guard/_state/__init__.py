@@ -69,7 +69,7 @@ from .basics import (  # noqa: F401
     requires_grad_anywhere,
     requires_grad_of,
     saved_tensor_hooks_enabled,
-    saved_tensor_hooks_registered,
+    top_saved_tensor_hooks,
     vmap_switches_saved_tensor_hooks_off,
 )
 from .transforms import (  # noqa: F401

@@ -7,7 +7,7 @@ May not touch: anything stateful; every reader may import from here, this import
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils.checkpoint  # torch 2.4's `import torch` does not import it
@@ -26,15 +26,15 @@ saved_tensor_hooks_enabled: Callable[[], bool] = (
 is_grad_enabled = torch.is_grad_enabled
 
 
-def _hooks_reader() -> Optional[Callable[[], bool]]:
+def _top_hooks_reader() -> Optional[Callable[[], Any]]:
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:  # torch 2.4-2.7 cannot tell
+    if top is None:  # torch 2.4-2.7 has none
         return None
     try:
         top(True)
-        return lambda: top(True) is not None
+        return lambda: top(True)
     except TypeError:  # an early form took no argument
-        return lambda: top() is not None
+        return top
 
 
 _vmap_hooks_off: list = []
@@ -56,9 +56,10 @@ def vmap_switches_saved_tensor_hooks_off() -> bool:
     return _vmap_hooks_off[0]
 
 
-#: whether saved-tensor hooks (the user's ``save_on_cpu``, a library's offload) are registered now:
-#: what autograd saves then goes through them; None on a torch that cannot tell (2.4-2.7)
-saved_tensor_hooks_registered: Optional[Callable[[], bool]] = _hooks_reader()
+#: a reader of the innermost saved-tensor hooks registered now, ``(pack, unpack)`` or None (the user's
+#: ``save_on_cpu``, a library's offload, torch's own recompute hooks); None on torch 2.4-2.7, which
+#: cannot tell
+top_saved_tensor_hooks: Optional[Callable[[], Any]] = _top_hooks_reader()
 Tensor = torch.Tensor
 Module = torch.nn.Module
 _GONE = object()

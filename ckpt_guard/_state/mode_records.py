@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import block_reads as _reads
-from .basics import Tensor, _GONE, _version_of, requires_grad_anywhere
+from .basics import Tensor, _GONE, _version_of, requires_grad_anywhere, top_saved_tensor_hooks
 from .contents import (
     _ATOMS, _CONTENTS_BUDGET, _cell_contents, _count, _full, _generator_states, _immutable, _is_long,
     _object_state, _same_value, _shallow, _stateless, changed_at_all, contents_snapshot, moved_generators,
@@ -498,19 +498,7 @@ def put_back_modes(modes: Sequence[object]) -> None:
                 _put_class_values(type(mode), record.class_values)
 
 
-def _read_top_hooks() -> Optional[Callable[[], Any]]:
-    """A reader of the innermost saved-tensor hooks (torch >= 2.8), or None (torch 2.4-2.7 has none)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    try:
-        top(True)
-        return lambda: top(True)
-    except TypeError:  # an early form took no argument
-        return lambda: top()
-
-
-_top_hooks = _read_top_hooks()
+_top_hooks = top_saved_tensor_hooks
 
 #: whether fallback can re-enter a replayable mode for a non-reentrant recompute: that recompute
 #: runs torch's pack hook (``x.detach()``) for each saved tensor, which the mode must not see (the
