@@ -22,7 +22,7 @@ import torch
 
 from . import block_reads as _reads
 from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
-from .modules import _block_module, _structure, closure_held, module_containers_seen, module_generators_seen
+from .modules import _block_module, _structure, module_containers_seen, module_generators_seen, snapshot_roots
 
 
 # --------------------------------------------------------------------------
@@ -331,9 +331,8 @@ def _module_containers(function: object) -> list:
     to, a memo, a cache (CKG112)."""
     if not module_containers_seen[0]:
         return []
-    block = _block_module(function)
     found = []
-    for module in [block] if isinstance(block, Module) else closure_held(block):
+    for module in snapshot_roots(function):
         for path, name in _structure(module).containers:
             try:
                 value = vars(module.get_submodule(path) if path else module).get(name)

@@ -422,15 +422,19 @@ def _closure_snapshot(cells: tuple) -> tuple:
     return ClosureRead((cells, tuple(None if s is None else s[0] for s in snapshots))), (), training, attributes, ()
 
 
-def snapshot_modules(function: object) -> list:
-    """The modules in the order of the snapshot's training part: the block's module and its submodules,
-    or those of each module a closure holds (within :data:`CLOSURE_MODULE_LIMIT`); [] if a shape changed."""
+def snapshot_roots(function: object) -> list:
+    """The modules whose snapshots the block's is made of: its module (itself, its bound method, a
+    partial of either), or each module its closure's cells hold (see :func:`_closure_snapshot`)."""
     block = _block_module(function)
-    if isinstance(block, Module):
-        return _structure(block).modules(block)
+    return [block] if isinstance(block, Module) else closure_held(block)
+
+
+def snapshot_modules(function: object) -> list:
+    """The modules in the order of the snapshot's training part: each root's modules (its submodules
+    included, see :func:`snapshot_roots`), in turn; [] if a shape changed."""
     modules: list = []
-    for module in closure_held(block):
-        found = _structure(module).modules(module)
+    for root in snapshot_roots(function):
+        found = _structure(root).modules(root)
         if not found:
             return []
         modules += found
@@ -782,9 +786,8 @@ module_attributes.takes_function = instance_forwards.takes_function = True  # ty
 
 def _attribute_owners(function: object) -> list:
     """``[(module, name)]`` in the order of the snapshot's attribute part ([] if not a module's)."""
-    block = _block_module(function)
     owners: list = []
-    for module in [block] if isinstance(block, Module) else closure_held(block):
+    for module in snapshot_roots(function):
         structure = _structure(module)
         modules = structure.modules(module)
         if not modules:
