@@ -41,44 +41,41 @@ def child(variant: str, size: str) -> dict:
 
     import torch
 
-    from ckpt_guard import checkpoint_policies as cp
-
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     patches = contextlib.ExitStack()
+    step = _per_sample(torch, size, _checkpoint_for(variant))
     if variant.startswith("save_on_cpu"):
         from patched_torch import opaque_patches
 
         patches.enter_context(opaque_patches())
-    step_variant = "no checkpoint"
-    if variant.endswith("ckpt_guard.checkpoint"):
-        step_variant = "ckpt_guard.checkpoint"
-    elif variant.endswith("torch checkpoint"):  # torch's non-reentrant checkpoint, which the patched torch runs
-        step_variant = "eager checkpoint"
-    if variant == "offload_dots":
-        import ckpt_guard
-
-        policy = cp.context_fn(cp.offload_dots)
-        original = memory._ckpt_for
-        memory._ckpt_for = lambda v: (lambda block, *args: ckpt_guard.checkpoint(block, *args, context_fn=policy))
-        step = memory._mlp_per_sample(torch, size, "offload_dots")
-        memory._ckpt_for = original
-    else:
-        step = _per_sample(torch, size, step_variant)
-    if variant.startswith("save_on_cpu"):
         plain = step
         step = lambda: _offloaded(torch, plain)  # noqa: E731
     with patches:
         return memory.peak_of(step)
 
 
-def _per_sample(torch, size, variant):
-    """memory.py's per-sample MLP, its blocks through ``variant``'s checkpoint (torch's own for
-    "eager checkpoint"), always under ``vmap(grad)``."""
+def _checkpoint_for(variant: str):
+    """``ckpt(block, h)`` for a variant: memory.py's, or ``ckpt_guard.checkpoint`` with ``offload_dots``."""
+    if variant == "offload_dots":
+        import ckpt_guard
+        from ckpt_guard import checkpoint_policies as cp
+
+        policy = cp.context_fn(cp.offload_dots)
+        return lambda block, *args: ckpt_guard.checkpoint(block, *args, context_fn=policy)
+    if variant.endswith("ckpt_guard.checkpoint"):
+        return memory._ckpt_for("ckpt_guard.checkpoint")
+    if variant.endswith("torch checkpoint"):  # torch's non-reentrant checkpoint, which the patched torch runs
+        return memory._ckpt_for("eager checkpoint")
+    return memory._ckpt_for("no checkpoint")
+
+
+def _per_sample(torch, size, ckpt):
+    """memory.py's per-sample MLP under ``vmap(grad)``, its blocks through ``ckpt``."""
     from torch.func import functional_call, grad, vmap
 
     width, depth, layers, samples, rows = memory.PER_SAMPLE_MLP[size]
-    net = memory._mlp(torch, width, depth, layers, memory._ckpt_for(variant))
+    net = memory._mlp(torch, width, depth, layers, ckpt)
     data = torch.randn(samples, rows, width)
     params = {k: v.detach() for k, v in net.named_parameters()}
     loss = lambda p, x: functional_call(net, p, (x[None],)).pow(2).mean()  # noqa: E731

@@ -26,7 +26,9 @@ PARAMS = {k: v.detach() for k, v in NET.named_parameters()}
 XS = torch.randn(3, 4, dtype=torch.float64)
 
 
-def _per_sample(checkpoint=None, **options):
+def per_sample(checkpoint=None, **options):
+    """Per-sample gradients of NET by ``vmap(grad)``, its one block checkpointed by ``checkpoint``
+    (``tests/test_patched_torch.py`` runs the same program on a patched torch)."""
     def loss(p, x):
         block = lambda h: functional_call(NET, p, (h,))  # noqa: E731
         out = block(x[None]) if checkpoint is None else checkpoint(block, x[None], **options)
@@ -53,7 +55,7 @@ def test_save_on_cpu_around_a_transform_is_torchs_refusal_with_or_without_checkp
     counted = None if checkpoint is None else (lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
     with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
         with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            _per_sample(counted, **options)
+            per_sample(counted, **options)
     assert calls == []  # refused at the transform's entry: no checkpoint call was reached
 
 
@@ -62,10 +64,10 @@ def test_save_on_cpu_around_a_transform_is_torchs_refusal_with_or_without_checkp
 @pytest.mark.skipif(not hasattr(getattr(tuc, "CheckpointPolicy", None), "MUST_CPU_OFFLOAD"),
                     reason="this torch's CheckpointPolicy has no MUST_CPU_OFFLOAD")
 def test_offload_by_a_save_policy_under_the_transform_gives_the_uncheckpointed_gradients():
-    reference = _per_sample()
+    reference = per_sample()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        got = _per_sample(ckpt_guard.checkpoint, context_fn=cp.context_fn(cp.offload_dots))
+        got = per_sample(ckpt_guard.checkpoint, context_fn=cp.context_fn(cp.offload_dots))
     for name in reference:
         torch.testing.assert_close(got[name], reference[name], msg=name)
 

@@ -27,6 +27,7 @@ from ckpt_guard._state import vmap_switches_saved_tensor_hooks_off
 
 import conformance as cf
 from patched_torch import first_order_hooks_allowed, opaque_patches
+from test_offload import per_sample as _per_sample
 
 STRICT_TORCH = "torch checkpoint (non-reentrant), strict"  # an entry of this file's only
 ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint, fallback",
@@ -126,20 +127,6 @@ def test_installed_before_the_patches_too():
         else:
             with pytest.raises(CheckpointCompositionError, match="CKG00[17]"):
                 cf._execute(cell, cf._nr)
-
-
-NET = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
-PARAMS = {k: v.detach() for k, v in NET.named_parameters()}
-XS = torch.randn(3, 4, dtype=torch.float64)
-
-
-def _per_sample(checkpoint=None, **options):
-    def loss(p, x):
-        block = lambda h: functional_call(NET, p, (h,))  # noqa: E731
-        out = block(x[None]) if checkpoint is None else checkpoint(block, x[None], **options)
-        return out.pow(2).sum()
-
-    return vmap(grad(loss), in_dims=(None, 0))(PARAMS, XS)
 
 
 @pytest.mark.parametrize("pin_memory", [False, True])
