@@ -28,9 +28,10 @@ from ckpt_guard._versions import installed
 
 RULE = rule_by_id("CKG110")
 HOLDS = RULE.holds_on(installed())
-#: the module, its bound method, a lambda closing over it, and ``partial(forward, module)`` (the
-#: way transformers 5's GradientCheckpointingLayer hands its layers to checkpoint)
-BLOCKS = ("module", "method", "lambda", "partial-forward")
+#: the module, its bound method, a lambda closing over it, ``partial(forward, module)`` (the way
+#: transformers 5's GradientCheckpointingLayer hands its layers to checkpoint), and a lambda calling
+#: a helper that closes over it (a closure of a closure: unseen before 2026-12-06)
+BLOCKS = ("module", "method", "lambda", "partial-forward", "closure of a closure")
 
 
 class Net(nn.Module):
@@ -43,11 +44,13 @@ class Net(nn.Module):
         return torch.tanh(self.fc1(h))
 
     def forward(self, x):
+        helper = lambda h: torch.tanh(self.fc1(h))  # noqa: E731
         function = {
             "module": lambda: nn.Sequential(self.fc1, nn.Tanh()),
             "method": self.block,
             "lambda": lambda h: torch.tanh(self.fc1(h)),
             "partial-forward": lambda: functools.partial(nn.Sequential.forward, nn.Sequential(self.fc1, nn.Tanh())),
+            "closure of a closure": lambda h: helper(h),
         }[self.how]
         if self.how in ("module", "partial-forward"):
             function = function()

@@ -22,6 +22,7 @@ import torch
 
 from . import block_reads as _reads
 from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
+from .closures import closure_cells
 from .modules import _block_module, _structure, module_containers_seen, module_generators_seen, snapshot_roots
 
 
@@ -98,9 +99,9 @@ def _argument_roots(
         values += [("keyword argument {!r} bound by a functools.partial", k, v) for k, v in function.keywords.items()]
         function = function.func
     if type(function) is types.FunctionType and function.__closure__:
-        for name, cell in zip(function.__code__.co_freevars, function.__closure__):
+        for cell, name in closure_cells(function):  # and those of the functions they hold
             try:
-                values.append(("the closure variable {!r}", name, cell.cell_contents))
+                values.append(("the closure variable {}", name, cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
     for label, which, value in values:

@@ -22,6 +22,7 @@ import torch
 
 from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents
+from .closures import closure_cells
 
 
 # --------------------------------------------------------------------------
@@ -365,7 +366,7 @@ def block_snapshot(function: object) -> tuple:
         return snapshot
     if kind is types.FunctionType and function.__closure__:
         try:
-            cells = tuple([cell.cell_contents for cell in function.__closure__])
+            cells = tuple([cell.cell_contents for cell, _ in closure_cells(function)])
         except ValueError:  # an empty cell: a name assigned after the function was made
             return _NOTHING
         for value in cells:
@@ -395,7 +396,12 @@ CLOSURE_MODULE_LIMIT = 64
 
 
 def _held_modules(cells: tuple) -> list:
-    return [value for value in cells if isinstance(value, Module)]
+    """The modules among a closure's cell contents, each once (two closures may hold one module)."""
+    held: dict = {}
+    for value in cells:
+        if isinstance(value, Module):
+            held.setdefault(id(value), value)
+    return list(held.values())
 
 
 def _closure_module_snapshot(module: Module) -> Optional[tuple]:
@@ -445,11 +451,10 @@ def closure_held(function: object) -> list:
     """The modules a closure's cells hold whose snapshot it takes (see :func:`_closure_snapshot`)."""
     if type(function) is not types.FunctionType:  # never an attribute read on the user's object
         return []
-    cells = function.__closure__
-    if not cells:
+    if not function.__closure__:
         return []
     try:
-        held = _held_modules(tuple(cell.cell_contents for cell in cells))
+        held = _held_modules(tuple(cell.cell_contents for cell, _ in closure_cells(function)))
     except ValueError:
         return []
     return [m for m in held if len(_structure(m).paths) <= CLOSURE_MODULE_LIMIT]
@@ -492,7 +497,7 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
     """
     block = _block_module(function)
     if not isinstance(block, Module):
-        cells = getattr(block, "__closure__", None) or ()
+        reached = closure_cells(block) if type(block) is types.FunctionType else []
         held: list = []
         if type(was) is ClosureRead:  # modules held in the cells: what they hold, too
             was, tensors = was
@@ -501,11 +506,11 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
                     change for module, forward in zip(_held_modules(was), tensors) if forward is not None
                     for change in _module_changes(module, forward, False)
                 ]
-        if len(cells) != len(was):
+        if len(reached) != len(was):
             return held
         return [
             (cell, "cell", name, old)
-            for cell, name, old in zip(cells, block.__code__.co_freevars, was)
+            for (cell, name), old in zip(reached, was)
             if cell.cell_contents is not old
         ] + held
     return _module_changes(block, was, hooks)
@@ -572,7 +577,7 @@ def describe_rebinding(was: object, now: object, function: object = None) -> str
     cells, added, groups = [], [], {}  # groups: id(owner) -> (owner, [names]), in first-seen order
     for owner, store, name, _ in rebound(was, function):
         if store == "cell":
-            cells.append(f"the closure variable {name!r} re-bound")
+            cells.append(f"the closure variable {name} re-bound")
         elif store == "new":
             added.append((owner, name))
         else:
