@@ -335,12 +335,47 @@ CLOSURES = {
     "lambda u: inner(u), inner = lambda u: norm(counting(u))":
         lambda counting, norm, parent: _calling(lambda u: norm(counting(u))),
     "three closures deep, to self.block": lambda counting, norm, parent: _calling(_calling(lambda u: parent.block(u))),
+    # the modules behind a list, a dict, a plain object, a bound method (unseen before 2026-12-06)
+    "lambda u: layers[1](layers[0](u)), a list": lambda counting, norm, parent: _through_list([counting, norm]),
+    "lambda u: parts['norm'](parts['counting'](u)), a dict":
+        lambda counting, norm, parent: _through_dict({"counting": counting, "norm": norm}),
+    "holder.run, a plain object's method": lambda counting, norm, parent: _Holder(parent.block).run,
+    "lambda u: holder.block(u), a plain object": lambda counting, norm, parent: _through_object(_Holder(parent.block)),
+    "lambda u: forward(u), forward = self.block.forward": lambda counting, norm, parent: _calling(parent.block.forward),
+    "a callable object holding the block": lambda counting, norm, parent: _CallableHolder(parent.block),
 }
 
 
 def _calling(inner):
     """``lambda u: inner(u)``: a block that reaches its modules only through the function it calls."""
     return lambda u: inner(u)
+
+
+def _through_list(layers):
+    return lambda u: layers[1](layers[0](u))
+
+
+def _through_dict(parts):
+    return lambda u: parts["norm"](parts["counting"](u))
+
+
+def _through_object(holder):
+    return lambda u: holder.block(u)
+
+
+class _Holder:
+    """A plain object (no module) that keeps a block: a trainer, a wrapper of a library's own."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def run(self, u):
+        return self.block(u)
+
+
+class _CallableHolder(_Holder):
+    def __call__(self, u):
+        return self.block(u)
 
 
 def _closure_program(closure, ckpt, reentrant_input=False):
@@ -397,33 +432,33 @@ CLOSURE_CELL_ENTRIES = ("ckpt_guard.checkpoint, strict", "ckpt_guard.checkpoint,
                         "torch checkpoint (non-reentrant), fallback", "torch checkpoint (reentrant), fallback")
 
 
-#: how the block reaches its module: ``lambda t: block(t)`` (depth 1), or through a helper that
-#: closes over it, ``lambda t: inner(t)`` (depth 2, a closure of a closure)
-CLOSURE_DEPTHS = (1, 2)
+#: how the block reaches its module: ``lambda t: block(t)``, through a helper that closes over it
+#: (a closure of a closure), a list in its closure, a plain object's method, a bound method it calls
+REACHES = {
+    "closure": lambda block: _calling(block),
+    "closure of a closure": lambda block: _calling(_calling(block)),
+    "a list in the closure": lambda block: (lambda layers: lambda t: layers[0](t))([block]),
+    "a plain object's method": lambda block: _Holder(block).run,
+    "a bound method in the closure": lambda block: _calling(block.forward),
+}
 
 
 def _closure_cells():
-    turns = itertools.cycle(CLOSURE_CELL_ENTRIES)  # 4 entries against 4 transforms: each depth meets each pair
-    return [(cf.Cell(kind, transform, "module", next(turns)), depth)
-            for depth in CLOSURE_DEPTHS for kind in cf.KINDS for transform in CLOSURE_TRANSFORMS]
+    turns = itertools.cycle(CLOSURE_CELL_ENTRIES)  # 4 entries against 4 transforms: each reach meets each pair
+    return [(cf.Cell(kind, transform, "module", next(turns)), reach)
+            for reach in REACHES for kind in cf.KINDS for transform in CLOSURE_TRANSFORMS]
 
 
-def _nested(block, depth):
-    for _ in range(depth):
-        block = (lambda inner: lambda t: inner(t))(block)
-    return block
-
-
-@pytest.mark.parametrize("cell, depth", _closure_cells(), ids=lambda c: c.label().replace(
-    "| module |", "| closure, own parameters |") if isinstance(c, cf.Cell) else f"depth {c}")
-def test_every_kind_given_as_a_closure_over_its_module(cell, depth, monkeypatch):
+@pytest.mark.parametrize("cell, reach", _closure_cells(), ids=lambda c: c.label().replace(
+    "| module |", "| closure, own parameters |") if isinstance(c, cf.Cell) else c)
+def test_every_kind_given_as_a_closure_over_its_module(cell, reach, monkeypatch):
     checkpointed = cf._checkpointed
 
     def through_a_closure(ckpt, block, access, h):
         if access == "module" and ckpt is not cf._plain:
-            return ckpt(_nested(block, depth), h)
+            return ckpt(REACHES[reach](block), h)
         return checkpointed(ckpt, block, access, h)
 
     monkeypatch.setattr(cf, "_checkpointed", through_a_closure)
     outcome = cf._run_cell(cell)
-    assert not outcome.failed, f"{cell.label()} (a closure, depth {depth}): {outcome.verdict}: {outcome.detail}"
+    assert not outcome.failed, f"{cell.label()} (reached through {reach}): {outcome.verdict}: {outcome.detail}"

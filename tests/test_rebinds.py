@@ -30,8 +30,17 @@ RULE = rule_by_id("CKG110")
 HOLDS = RULE.holds_on(installed())
 #: the module, its bound method, a lambda closing over it, ``partial(forward, module)`` (the way
 #: transformers 5's GradientCheckpointingLayer hands its layers to checkpoint), and a lambda calling
-#: a helper that closes over it (a closure of a closure: unseen before 2026-12-06)
-BLOCKS = ("module", "method", "lambda", "partial-forward", "closure of a closure")
+#: a helper that closes over it (a closure of a closure), and the method of a plain object that
+#: holds the net (a trainer's, a wrapper's): the last two unseen before 2026-12-06
+BLOCKS = ("module", "method", "lambda", "partial-forward", "closure of a closure", "a plain object's method")
+
+
+class _Holder:
+    def __init__(self, net):
+        self.net = net
+
+    def block(self, h):
+        return torch.tanh(self.net.fc1(h))
 
 
 class Net(nn.Module):
@@ -51,6 +60,7 @@ class Net(nn.Module):
             "lambda": lambda h: torch.tanh(self.fc1(h)),
             "partial-forward": lambda: functools.partial(nn.Sequential.forward, nn.Sequential(self.fc1, nn.Tanh())),
             "closure of a closure": lambda h: helper(h),
+            "a plain object's method": _Holder(self).block,
         }[self.how]
         if self.how in ("module", "partial-forward"):
             function = function()

@@ -22,7 +22,7 @@ import torch
 
 from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents
-from .closures import closure_cells
+from .closures import closure_cells, reached_modules
 
 
 # --------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def _binds_in_forward(cls: type) -> bool:
 def needs_refresh(bindings: object) -> bool:
     """Whether a captured CKG110 record is re-read when the forward ends (see :class:`InForward`)."""
     kind = type(bindings)
-    return kind is InForward or (kind is ClosureRead and any(type(t) is InForward for t in bindings[1]))
+    return kind is InForward or (kind is ClosureRead and any(type(t) is InForward for t in bindings[2]))
 
 
 def refresh_after_forward(function: object, recorded: object) -> None:
@@ -178,7 +178,7 @@ def refresh_after_forward(function: object, recorded: object) -> None:
 
 def _refresh_all(function: object, recorded: object) -> None:
     if type(recorded) is ClosureRead:
-        for module, tensors in zip(_held_modules(recorded[0]), recorded[1]):
+        for module, tensors in zip(recorded[1], recorded[2]):
             if type(tensors) is InForward:
                 _refresh(module, tensors)
     elif type(recorded) is InForward:
@@ -369,17 +369,21 @@ def block_snapshot(function: object) -> tuple:
             cells = tuple([cell.cell_contents for cell, _ in closure_cells(function)])
         except ValueError:  # an empty cell: a name assigned after the function was made
             return _NOTHING
-        for value in cells:
-            if isinstance(value, Module):  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
-                return _closure_snapshot(cells)
+        modules = reached_modules(cells)  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
+        if modules:
+            return _closure_snapshot(cells, modules)
         return cells, (), None, (), ()
+    if kind is not types.FunctionType:  # a plain object's method (`holder.run`): the modules it holds
+        modules = reached_modules((function,))
+        if modules:
+            return _closure_snapshot((), modules)
     return _NOTHING
 
 
 class ClosureRead(tuple):
-    """``(closure cells' contents, per module held in a cell: its tensors' snapshot or None)``.
+    """``(closure cells' contents, the modules they reach, per module: its tensors' snapshot or None)``.
 
-    A tuple, compared as one; its own type so :func:`rebound` tells it from a closure of two cells.
+    A tuple, compared as one; its own type so :func:`rebound` tells it from a closure of three cells.
     """
 
     __slots__ = ()
@@ -395,15 +399,6 @@ MAY_NEED_REFRESH = frozenset({InForward, ClosureRead})
 CLOSURE_MODULE_LIMIT = 64
 
 
-def _held_modules(cells: tuple) -> list:
-    """The modules among a closure's cell contents, each once (two closures may hold one module)."""
-    held: dict = {}
-    for value in cells:
-        if isinstance(value, Module):
-            held.setdefault(id(value), value)
-    return list(held.values())
-
-
 def _closure_module_snapshot(module: Module) -> Optional[tuple]:
     """``module``'s snapshot, or None past :data:`CLOSURE_MODULE_LIMIT` or unreadable."""
     if len(_structure(module).paths) > CLOSURE_MODULE_LIMIT:
@@ -412,8 +407,9 @@ def _closure_module_snapshot(module: Module) -> Optional[tuple]:
     return snapshot if snapshot is not _NOTHING else None
 
 
-def _closure_snapshot(cells: tuple) -> tuple:
-    """A closure's snapshot: its cells, and the parts of the snapshot of each module a cell holds.
+def _closure_snapshot(cells: tuple, modules: list) -> tuple:
+    """A closure's snapshot: its cells, and the parts of the snapshot of each module they reach
+    (:func:`reached_modules`: held in a cell, or through a helper, a list, an object, a bound method).
 
     The tensors each module holds (CKG110), and, joined in the cells' order, its modules' train/eval
     flags (CKG106, CKG117) and the plain attributes their code names (CKG115): a block given as
@@ -421,11 +417,12 @@ def _closure_snapshot(cells: tuple) -> tuple:
     and torch's recompute would advance them again, as for the module given itself.  Hooks and
     instance forwards (CKG111, CKG116) are the module's own business: not for a closure.
     """
-    snapshots = [_closure_module_snapshot(m) for m in _held_modules(cells)]
+    snapshots = [_closure_module_snapshot(m) for m in modules]
     kept = [s for s in snapshots if s is not None]
     training = tuple(flag for s in kept for flag in s[2])
     attributes = tuple(value for s in kept for value in s[3])
-    return ClosureRead((cells, tuple(None if s is None else s[0] for s in snapshots))), (), training, attributes, ()
+    return ClosureRead((cells, tuple(modules), tuple(None if s is None else s[0] for s in snapshots))), (), training, \
+        attributes, ()
 
 
 def snapshot_roots(function: object) -> list:
@@ -448,15 +445,23 @@ def snapshot_modules(function: object) -> list:
 
 
 def closure_held(function: object) -> list:
-    """The modules a closure's cells hold whose snapshot it takes (see :func:`_closure_snapshot`)."""
-    if type(function) is not types.FunctionType:  # never an attribute read on the user's object
+    """The modules a function block (or a plain object's method) reaches whose snapshot it takes, as
+    :func:`block_snapshot` finds them (see :func:`_closure_snapshot`)."""
+    kind = type(function)
+    while kind is functools.partial or kind is _MethodType:
+        function = _partial_target(function) if kind is functools.partial else function.__self__
+        kind = type(function)
+    if isinstance(function, Module):
         return []
-    if not function.__closure__:
-        return []
-    try:
-        held = _held_modules(tuple(cell.cell_contents for cell, _ in closure_cells(function)))
-    except ValueError:
-        return []
+    if kind is types.FunctionType:
+        if not function.__closure__:
+            return []
+        try:
+            held = reached_modules(tuple(cell.cell_contents for cell, _ in closure_cells(function)))
+        except ValueError:
+            return []
+    else:
+        held = reached_modules((function,))
     return [m for m in held if len(_structure(m).paths) <= CLOSURE_MODULE_LIMIT]
 
 
@@ -499,11 +504,11 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
     if not isinstance(block, Module):
         reached = closure_cells(block) if type(block) is types.FunctionType else []
         held: list = []
-        if type(was) is ClosureRead:  # modules held in the cells: what they hold, too
-            was, tensors = was
+        if type(was) is ClosureRead:  # modules the cells reach: what they hold, too
+            was, modules, tensors = was
             if not hooks:
                 held = [
-                    change for module, forward in zip(_held_modules(was), tensors) if forward is not None
+                    change for module, forward in zip(modules, tensors) if forward is not None
                     for change in _module_changes(module, forward, False)
                 ]
         if len(reached) != len(was):
