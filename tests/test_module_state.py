@@ -20,6 +20,7 @@ What the guard must do comes from the table for the installed torch:
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import numpy
@@ -343,7 +344,22 @@ CLOSURES = {
     "lambda u: holder.block(u), a plain object": lambda counting, norm, parent: _through_object(_Holder(parent.block)),
     "lambda u: forward(u), forward = self.block.forward": lambda counting, norm, parent: _calling(parent.block.forward),
     "a callable object holding the block": lambda counting, norm, parent: _CallableHolder(parent.block),
+    "def block(u): return GLOBAL_BLOCK(u), a global": lambda counting, norm, parent: _through_a_global(parent.block),
+    "lambda u, block=self.block: block(u), a default": lambda counting, norm, parent: (lambda u, b=parent.block: b(u)),
 }
+
+GLOBAL_BLOCK = None  # what _read_the_global loads; each copy _through_a_global makes reads its own
+
+
+def _read_the_global(u):
+    return GLOBAL_BLOCK(u)
+
+
+def _through_a_global(block):
+    """A script's ``def block(u): return model.layer(u)``: the module is a global the function loads
+    (each block its own namespace, as each script has its own: one shared global re-bound by the next
+    block's call would make every recompute run the last block)."""
+    return types.FunctionType(_read_the_global.__code__, {"GLOBAL_BLOCK": block}, "_read_the_global")
 
 
 def _calling(inner):
@@ -440,6 +456,7 @@ REACHES = {
     "a list in the closure": lambda block: (lambda layers: lambda t: layers[0](t))([block]),
     "a plain object's method": lambda block: _Holder(block).run,
     "a bound method in the closure": lambda block: _calling(block.forward),
+    "a global": lambda block: _through_a_global(block),
 }
 
 

@@ -416,7 +416,7 @@ _SKIPPED_INTERNALS = _MODULE_INTERNALS - frozenset(_FORWARD_HOOKS)
 
 def _user_function(value: Any) -> bool:
     return isinstance(value, types.FunctionType) and (
-        (getattr(value, "__module__", None) or "").split(".")[0] not in _reads._LIBRARY_ROOTS
+        (getattr(value, "__module__", None) or "").split(".")[0] not in _reads.LIBRARY_ROOTS
     )
 
 
@@ -425,7 +425,7 @@ def _user_namespace(value: Any) -> bool:
     if isinstance(value, (types.ModuleType, Tensor, Module)) or callable(value) and not isinstance(value, type):
         return False
     owner = value if isinstance(value, type) else type(value)
-    if (getattr(owner, "__module__", None) or "").split(".")[0] in _reads._LIBRARY_ROOTS:
+    if (getattr(owner, "__module__", None) or "").split(".")[0] in _reads.LIBRARY_ROOTS:
         return type(value) is types.SimpleNamespace
     try:
         return isinstance(vars(value), (dict, types.MappingProxyType))
@@ -568,7 +568,7 @@ class _Rebuild:
                 if changed:
                     changes[field.name] = new_v
             return self._with_attributes(obj, changes)
-        if _reads._opaque(obj) and not isinstance(obj, (type, types.ModuleType)):
+        if _reads.is_users_object(obj) and not isinstance(obj, (type, types.ModuleType)):
             attributes = getattr(obj, "__dict__", None)
             if not isinstance(attributes, dict):
                 return obj, False
@@ -622,7 +622,7 @@ class _Rebuild:
             k_changed = k_changed or changed
         if self.visit is not None and _user_function(function):  # its globals: found, not bindable
             namespace = function.__globals__
-            for name in _reads._global_names(function.__code__):
+            for name in _reads.global_names(function.__code__):
                 if name in namespace:
                     self._visit_unbindable(namespace[name])
         if not cells and not (d_changed or k_changed):
@@ -826,7 +826,7 @@ def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
                 continue
         for i, value in enumerate(obj.__defaults__ or ()):
             yield value, f"{path} → default {i}"
-        for name in _reads._global_names(code):
+        for name in _reads.global_names(code):
             if name in obj.__globals__:
                 yield obj.__globals__[name], f"global {name} of {obj.__module__}"
         return
@@ -859,12 +859,12 @@ def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
         yield from _class_attributes(obj, obj.__qualname__)
         return
     if isinstance(obj, types.ModuleType):
-        if (obj.__name__ or "").split(".")[0] not in _reads._LIBRARY_ROOTS:
+        if (obj.__name__ or "").split(".")[0] not in _reads.LIBRARY_ROOTS:
             for name, value in vars(obj).items():
                 yield value, f"{obj.__name__}.{name}"
         return
     attributes = getattr(obj, "__dict__", None)
-    if isinstance(attributes, dict) and _reads._opaque(obj):
+    if isinstance(attributes, dict) and _reads.is_users_object(obj):
         for name, value in attributes.items():
             yield value, f"{path}.{name}"
         yield from _class_attributes(type(obj), f"{type(obj).__qualname__}")
@@ -873,7 +873,7 @@ def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
 def _class_attributes(cls: type, path: str) -> Iterator[Tuple[Any, str]]:
     """The class attributes of the user's classes (not torch's or the standard library's)."""
     for klass in cls.__mro__:
-        if (klass.__module__ or "").split(".")[0] in _reads._LIBRARY_ROOTS:
+        if (klass.__module__ or "").split(".")[0] in _reads.LIBRARY_ROOTS:
             continue
         for name, value in vars(klass).items():
             if not name.startswith("__"):

@@ -134,7 +134,7 @@ _PLAIN = (
     types.FunctionType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
 )
 # Objects of these libraries hold no module of the user's (types.SimpleNamespace can: not listed).
-_LIBRARY_ROOTS = frozenset({
+LIBRARY_ROOTS = frozenset({
     "builtins", "torch", "typing", "enum", "math", "logging", "warnings", "functools",
     "itertools", "operator", "collections", "contextlib", "threading", "re", "os", "sys",
     "abc", "dataclasses", "inspect", "weakref", "numbers", "copy",
@@ -148,15 +148,15 @@ BUDGET = 5000
 def _walkable(value: Any) -> bool:
     """A function, partial, bound method or object of the user's a held value may hide a module behind."""
     if isinstance(value, types.FunctionType):
-        return (getattr(value, "__module__", None) or "").split(".")[0] not in _LIBRARY_ROOTS
-    return isinstance(value, functools.partial) or type(value) is MethodType or _opaque(value)
+        return (getattr(value, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS
+    return isinstance(value, functools.partial) or type(value) is MethodType or is_users_object(value)
 
 
-def _opaque(value: Any) -> bool:
+def is_users_object(value: Any) -> bool:
     """Whether ``value`` is an object that might hide modules from the walk."""
     if isinstance(value, _PLAIN):
         return False
-    return (type(value).__module__ or "").split(".")[0] not in _LIBRARY_ROOTS
+    return (type(value).__module__ or "").split(".")[0] not in LIBRARY_ROOTS
 
 
 def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool]:
@@ -171,7 +171,7 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool]:
             return [], True
         items: Any = value.values() if isinstance(value, dict) else value
         return [v for v in items if isinstance(v, (Module, Tensor))], False
-    return [], _opaque(value)
+    return [], is_users_object(value)
 
 
 def _referenced(function: Any) -> Iterator[Any]:
@@ -188,7 +188,7 @@ def _referenced(function: Any) -> Iterator[Any]:
     yield from (_attribute(function, "__kwdefaults__") or {}).values()
     code, namespace = _attribute(function, "__code__"), _attribute(function, "__globals__")
     if isinstance(code, types.CodeType) and isinstance(namespace, dict):
-        for name in _global_names(code):
+        for name in global_names(code):
             if name in namespace:
                 yield namespace[name]
 
@@ -198,7 +198,7 @@ _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _global_names_of: dict = {}
 
 
-def _global_names(code: types.CodeType) -> frozenset:
+def global_names(code: types.CodeType) -> frozenset:
     """The names ``code`` loads as globals, its nested code objects' (comprehensions) included."""
     names = _global_names_of.get(code)
     if names is None:
@@ -250,7 +250,7 @@ def reads_of(function: Any) -> Reads:
                         name = _attribute(obj.__func__, "__name__")
                         todo.append((owner, run_whole and name in _CALL_METHODS, False))
                     else:  # a method of the user's object: what the object holds, and the method
-                        if _opaque(owner):
+                        if is_users_object(owner):
                             direct_unseen = direct_unseen or not is_deep
                             deeper.append((owner, False, True))
                         todo.append((obj.__func__, False, look_into))
@@ -259,7 +259,7 @@ def reads_of(function: Any) -> Reads:
                     unseen = _queue_held(held, todo, deeper, budget)
                     deep_unseen = deep_unseen or unseen
                     direct_unseen = direct_unseen or (unseen and not is_deep)
-                elif look_into and _opaque(obj):  # an object of the user's: its attributes, and its __call__
+                elif look_into and is_users_object(obj):  # an object of the user's: its attributes, and its __call__
                     direct_unseen = direct_unseen or not is_deep
                     attributes = _attribute(obj, "__dict__")
                     if not isinstance(attributes, dict):  # __slots__, or a lookup that raises

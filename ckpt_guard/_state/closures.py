@@ -4,8 +4,9 @@ A block given as ``lambda h: inner(h)`` reads what ``inner`` holds as much as
 what it holds itself, and ``lambda h: layers[0](h)`` or ``holder.run`` runs
 modules a list or an object holds.  :func:`closure_cells` is the one walk of
 the cells (the block snapshot, CKG110's re-bound values, the containers CKG112
-keeps); :func:`reached_modules` the one walk to the modules whose state the
-snapshot watches (CKG106, CKG110, CKG112, CKG115, CKG117).
+keeps); :func:`reached_modules` the modules whose state the snapshot watches
+(CKG106, CKG110, CKG112, CKG115, CKG117), by ``block_reads``' rules of what can
+hide a module, on every call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import types
 import torch
 
 from .basics import Module
+from .block_reads import LIBRARY_ROOTS, global_names, is_users_object
 
 
 #: how many functions a closure's cells lead to are followed for what they hold: ``lambda h:
@@ -52,9 +54,9 @@ def closure_cells(function: types.FunctionType) -> list:
     return found
 
 
-#: how far from the block's closure cells (or the object whose method it is) modules are looked for:
-#: ``lambda h: layers[0](h)`` (a list), ``holder.run`` (an object's attribute), ``lambda h: f(h)`` with
-#: ``f = block.forward`` (a bound method) are each one step
+#: how far from the block modules are looked for: ``lambda h: layers[0](h)`` (a list),
+#: ``holder.run`` (an object's attribute), ``lambda h: f(h)`` with ``f = block.forward`` (a bound
+#: method), ``lambda h: inner(h)`` (a function's closure) are each one step
 REACH_DEPTH = 3
 #: how many entries of one list, tuple, dict or object's attributes are looked at
 REACH_ITEMS = 64
@@ -62,13 +64,18 @@ REACH_ITEMS = 64
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 
-def reached_modules(values: tuple) -> list:
-    """The modules ``values`` (a closure's cell contents, or the object whose method the block is)
-    lead to, each once, in the order met: through functions' closures, bound methods, partials,
-    lists, tuples, dicts and plain objects' attributes, up to :data:`REACH_DEPTH` steps.
+def reached_modules(function: object) -> list:
+    """The modules a block given as a function (or an object's method, or a callable object) runs or
+    may run, each once, in the order met.
 
-    A module is not looked into here (its own snapshot covers its submodules); nor are a class, a
-    Python module, a tensor or an object without a ``__dict__`` of its own.
+    What its closure cells, default arguments and globals hold, and, up to
+    :data:`REACH_DEPTH` steps, what the functions, bound methods, partials,
+    lists, tuples, dicts and objects of the user's they hold hold in turn.
+    The same reach as the complete view of :func:`~.block_reads.reads_of`
+    (by its rules of what cannot hide a module: torch's and Python's own
+    functions and objects), bounded in depth and width instead of by a
+    budget, and some ten times cheaper: this runs on every call.  A module
+    is not looked into here (its own snapshot covers its submodules).
     """
     found: dict = {}
     seen: set = set()
@@ -78,17 +85,17 @@ def reached_modules(values: tuple) -> list:
             found.setdefault(id(value), value)
             return
         kind = type(value)
-        if depth <= 0 or kind in _SCALARS or id(value) in seen:
+        if depth <= 0 or kind in _SCALARS or kind is torch.Tensor or id(value) in seen:
             return
         seen.add(id(value))
         if kind is types.MethodType:
-            visit(value.__self__, depth)  # a bound method is its object
+            visit(value.__self__, depth)  # a bound method is its object, and its function
+            visit(value.__func__, depth)
         elif kind is types.FunctionType:
-            for cell in value.__closure__ or ():
-                try:
-                    visit(cell.cell_contents, depth - 1)
-                except ValueError:  # an empty cell
-                    continue
+            if (getattr(value, "__module__", None) or "").split(".")[0] in LIBRARY_ROOTS:
+                return  # torch's or Python's own: holds no module of the user's
+            for item in _held_by_function(value):
+                visit(item, depth - 1)
         elif kind is functools.partial:
             for item in (value.func, *value.args, *value.keywords.values()):
                 visit(item, depth - 1)
@@ -98,7 +105,7 @@ def reached_modules(values: tuple) -> list:
         elif kind is dict:
             for item in itertools.islice(value.values(), REACH_ITEMS):
                 visit(item, depth - 1)
-        elif not isinstance(value, (type, types.ModuleType, torch.Tensor)):
+        elif is_users_object(value) and not isinstance(value, (type, types.ModuleType, torch.Tensor)):
             try:  # an object's own attributes, read past any __getattr__ of its class
                 attributes = object.__getattribute__(value, "__dict__")
             except (AttributeError, TypeError):
@@ -106,8 +113,22 @@ def reached_modules(values: tuple) -> list:
             if type(attributes) is dict:
                 for item in itertools.islice(attributes.values(), REACH_ITEMS):
                     visit(item, depth - 1)
+                visit(getattr(type(value), "__call__", None), depth - 1)
 
-    for value in values:
-        visit(value, REACH_DEPTH)
+    visit(function, REACH_DEPTH + 1)
     return list(found.values())
 
+
+def _held_by_function(function: types.FunctionType) -> list:
+    """A function's closure cells' contents, default arguments, and the globals its code loads."""
+    held = []
+    for cell in function.__closure__ or ():
+        try:
+            held.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    held += function.__defaults__ or ()
+    held += (function.__kwdefaults__ or {}).values()
+    namespace = function.__globals__
+    held += [namespace[name] for name in global_names(function.__code__) if name in namespace]
+    return held

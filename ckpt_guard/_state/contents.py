@@ -77,7 +77,7 @@ def _container_kind(value: object) -> Optional[str]:
     if isinstance(value, (Tensor, Module, tuple, type, types.FunctionType, types.MethodType, functools.partial)):
         return None
     root = (getattr(type(value), "__module__", None) or "").split(".")[0]
-    if root in _reads._LIBRARY_ROOTS or root == "ckpt_guard" or _object_state(value) is None:
+    if root in _reads.LIBRARY_ROOTS or root == "ckpt_guard" or _object_state(value) is None:
         return None  # the guard's own objects (the record ckpt_guard.checkpoint binds) are not the user's state
     return "object"
 
@@ -236,7 +236,7 @@ def _wrapper_held(value: object, depth: int, seen: set) -> bool:
             _wrapper_held(item, depth - 1, seen) for item in items  # type: ignore[union-attr]
         )
     root = (getattr(type(value), "__module__", "") or "").split(".")[0]
-    return root == "torch" or root in _reads._LIBRARY_ROOTS
+    return root == "torch" or root in _reads.LIBRARY_ROOTS
 
 
 def _trusted_code(function: types.FunctionType) -> bool:

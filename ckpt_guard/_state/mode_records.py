@@ -204,7 +204,7 @@ def _user_class(value: object) -> bool:
     if not isinstance(value, type):
         return False
     root = (getattr(value, "__module__", "") or "").split(".")[0]
-    return root != "torch" and root not in _reads._LIBRARY_ROOTS
+    return root != "torch" and root not in _reads.LIBRARY_ROOTS
 
 
 def _reachable_from(cls: type) -> tuple:

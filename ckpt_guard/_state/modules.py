@@ -346,7 +346,7 @@ def block_snapshot(function: object) -> tuple:
     same object compares equal without looking at it; one that is another
     tensor cannot be compared (:func:`differs` says so).
     """
-    kind = type(function)  # _block_module inlined: this runs on every checkpoint call
+    kind, given = type(function), function  # _block_module inlined: this runs on every checkpoint call
     while kind is functools.partial or kind is _MethodType:  # the guard's recorder wraps one in another
         function = _partial_target(function) if kind is functools.partial else function.__self__
         kind = type(function)
@@ -369,14 +369,13 @@ def block_snapshot(function: object) -> tuple:
             cells = tuple([cell.cell_contents for cell, _ in closure_cells(function)])
         except ValueError:  # an empty cell: a name assigned after the function was made
             return _NOTHING
-        modules = reached_modules(cells)  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
+        modules = reached_modules(given)  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
         if modules:
             return _closure_snapshot(cells, modules)
         return cells, (), None, (), ()
-    if kind is not types.FunctionType:  # a plain object's method (`holder.run`): the modules it holds
-        modules = reached_modules((function,))
-        if modules:
-            return _closure_snapshot((), modules)
+    modules = reached_modules(given)  # a plain object's method (`holder.run`), a function's globals
+    if modules:
+        return _closure_snapshot((), modules)
     return _NOTHING
 
 
@@ -447,22 +446,18 @@ def snapshot_modules(function: object) -> list:
 def closure_held(function: object) -> list:
     """The modules a function block (or a plain object's method) reaches whose snapshot it takes, as
     :func:`block_snapshot` finds them (see :func:`_closure_snapshot`)."""
-    kind = type(function)
+    kind, given = type(function), function
     while kind is functools.partial or kind is _MethodType:
         function = _partial_target(function) if kind is functools.partial else function.__self__
         kind = type(function)
     if isinstance(function, Module):
         return []
-    if kind is types.FunctionType:
-        if not function.__closure__:
-            return []
+    if kind is types.FunctionType and function.__closure__:
         try:
-            held = reached_modules(tuple(cell.cell_contents for cell, _ in closure_cells(function)))
-        except ValueError:
+            [cell.cell_contents for cell, _ in closure_cells(function)]
+        except ValueError:  # an empty cell: no snapshot (see block_snapshot)
             return []
-    else:
-        held = reached_modules((function,))
-    return [m for m in held if len(_structure(m).paths) <= CLOSURE_MODULE_LIMIT]
+    return [m for m in reached_modules(given) if len(_structure(m).paths) <= CLOSURE_MODULE_LIMIT]
 
 
 def differs(was: object, now: object) -> bool:
