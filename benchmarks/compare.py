@@ -55,7 +55,9 @@ def batch(call, n=300):  # CPU time: a busy neighbour's steal time on a shared m
     return (time.process_time() - start) / n * 1e6
 
 results = {}
-for name, module, shape in (("trivial", Trivial(), (4,)), ("3-module block", Block(), (4, 16))):
+closure = (lambda block: lambda h: block(h))(Block())  # a function block: its closure's modules are walked
+for name, module, shape in (("trivial", Trivial(), (4,)), ("3-module block", Block(), (4, 16)),
+                            ("lambda h: block(h)", closure, (4, 16))):
     x = torch.randn(*shape, requires_grad=True)
     for reentrant in (False, True):
         call = lambda: checkpoint(module, x, use_reentrant=reentrant)

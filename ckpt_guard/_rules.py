@@ -1242,7 +1242,8 @@ _DRIFT_RULES = [
             "module (the module, its bound method, or a partial of either) was replaced by another "
             "tensor: a meta-optimizer writing new, non-leaf weights (torchopt's MetaSGD, higher's "
             "differentiable optimizers, del m.weight; m.weight = w0 - lr * g), or a variable a "
-            "checkpointed function closes over was re-bound (a loop: m = masks[i])"
+            "checkpointed function closes over, or a global it loads, was re-bound (a loop: "
+            "m = masks[i]; a script's W = W - lr * g)"
         ),
         symptom=(
             "returns silently wrong gradients: the recompute reads the new tensor, so the outer "
@@ -1252,7 +1253,7 @@ _DRIFT_RULES = [
         remedy=(
             "re-bind after the backward that recomputes this block, or do not checkpoint blocks "
             "whose weights a meta-optimizer replaces between the forward and the backward; a "
-            "closure: bind the value as a default argument or with functools.partial"
+            "closure or a global: bind the value as a default argument or with functools.partial"
         ),
         fallback=(
             "recomputes with the tensors the forward read (bound for the recompute only, on its "
@@ -1262,7 +1263,7 @@ _DRIFT_RULES = [
             "https://github.com/metaopt/torchopt",
             "https://github.com/facebookresearch/higher",
         ),
-        torch_note="the recompute reads the module's attributes and the function's closure when it runs",
+        torch_note="the recompute reads the module's attributes and the function's closure and globals when it runs",
         probe=_probe_rebound_parameter,
         read="block_bindings",
         render="describe_bindings",

@@ -334,3 +334,107 @@ def test_the_forward_re_read_survives_the_device_watch(monkeypatch):
     finally:
         ckpt_guard.uninstall()
     assert all(p.grad is not None for p in params)
+
+
+# --------------------------------------------------------------------------
+# a global the block loads, re-bound before the recompute (a script's ``W = W - lr * g``, or the block's
+# own ``global calls; calls += 1``): unseen before 2026-12-06, torch's recompute read the new value
+
+GLOBAL_W = None
+GLOBAL_CALLS = 0
+
+
+def _global_weight_block(h):
+    return torch.tanh(h @ GLOBAL_W)
+
+
+def _global_counter_block(h):
+    global GLOBAL_CALLS
+    GLOBAL_CALLS += 1
+    return torch.tanh(h) * GLOBAL_CALLS
+
+
+def _global_program(which: str, ckpt) -> list:
+    global GLOBAL_W, GLOBAL_CALLS
+    torch.manual_seed(0)
+    GLOBAL_W = w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    GLOBAL_CALLS = 0
+    if which == "a weight re-bound after the call":
+        y = ckpt(_global_weight_block, x)
+        GLOBAL_W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    else:
+        y = ckpt(_global_counter_block, x)
+    y.pow(2).sum().backward()
+    return [w.grad, x.grad, torch.tensor(float(GLOBAL_CALLS))]
+
+
+GLOBAL_ENTRIES = {
+    "torch checkpoint (non-reentrant)": lambda f, *a: checkpoint(f, *a, use_reentrant=False),
+    "torch checkpoint (reentrant)": lambda f, *a: checkpoint(f, *a, use_reentrant=True),
+    "ckpt_guard.checkpoint": lambda f, *a: ckpt_guard.checkpoint(f, *a),
+}
+
+
+@pytest.mark.parametrize("entry", list(GLOBAL_ENTRIES))
+@pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
+def test_a_global_re_bound_before_the_recompute_is_caught(which, entry):
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
+    ckpt = GLOBAL_ENTRIES[entry]
+    zeros = lambda got: [torch.zeros(()) if g is None else g for g in got]  # noqa: E731 - reentrant: no w.grad
+    reference = zeros(_global_program(which, lambda f, *a: f(*a)))
+    ckpt_guard.uninstall()
+    if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong (w gets no gradient, or the count is off)
+        raw = zeros(_global_program(which, ckpt))
+        assert any(r.shape != g.shape or not torch.allclose(r, g) for r, g in zip(raw, reference))
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
+        _under("strict", _global_program, which, ckpt)
+    assert f"the global {'GLOBAL_W' if 'weight' in which else 'GLOBAL_CALLS'!r} of module" in str(info.value)
+    if entry != "ckpt_guard.checkpoint":
+        warned, messages = _under("warn", _global_program, which, ckpt)
+        assert {m.rule.id for m in messages} == {"CKG110"}
+        for w, r in zip(zeros(warned), raw):
+            assert torch.equal(w, r)  # warn: exactly what torch does
+    repaired, _ = _under("fallback", _global_program, which, ckpt)
+    for g, r in zip(zeros(repaired), reference):
+        torch.testing.assert_close(g, r)
+
+
+# the same globals through ckpt_guard.checkpoint's composable recompute, under torch.func: it binds the
+# call's values for each recompute (before 2026-12-06 it read the new ones: silently wrong under vjp)
+
+def _composable_global_program(which: str, transform: str, ckpt) -> list:
+    global GLOBAL_W, GLOBAL_CALLS
+    torch.manual_seed(0)
+    w0 = torch.randn(3, 3, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    block = _global_weight_block if which == "a weight re-bound after the call" else _global_counter_block
+
+    def loss(x):
+        global GLOBAL_W
+        y = ckpt(block, x)
+        GLOBAL_W = w0 * 2  # re-bound after the call, before the backward (a counter block: not read)
+        return y.pow(2).sum()
+
+    GLOBAL_W, GLOBAL_CALLS = w0, 0
+    if transform == "vjp, pullback after a re-bind":
+        GLOBAL_W = w0
+        out, pull = torch.func.vjp(lambda x: ckpt(block, x).pow(2).sum(), x)
+        GLOBAL_W = w0 * 2
+        got = pull(torch.ones_like(out))[0]
+    elif transform == "grad":
+        got = torch.func.grad(loss)(x)
+    else:  # vmap(grad)
+        got = torch.func.vmap(torch.func.grad(loss))(x.unsqueeze(1).expand(4, 2, 3).clone())
+    return [got, torch.tensor(float(GLOBAL_CALLS))]
+
+
+@pytest.mark.parametrize("transform", ["vjp, pullback after a re-bind", "grad", "vmap(grad)"])
+@pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_the_composable_recompute_reads_globals_as_the_call_found_them(policy, which, transform):
+    reference = _composable_global_program(which, transform, lambda f, *a: f(*a))
+    got, _ = _under(policy, _composable_global_program, which, transform, ckpt_guard.checkpoint)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)

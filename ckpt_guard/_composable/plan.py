@@ -200,6 +200,9 @@ class Plan:
         #: the user's containers the forward changed, as it found them (``_state.contents_snapshot``
         #: entries): every recompute runs with these contents, and puts back what they hold then
         self.contents: List[tuple] = []
+        #: (slot, value) of each global the block's code loads, as the call found it: a recompute
+        #: runs with those a script re-bound since (``W = W - lr * g``), as the forward did
+        self.globals_read: List[tuple] = []
         self.autocast: Any = None
         self.default_dtype = torch.get_default_dtype()
         #: a torch.device(...) context's device at the call: the Function's forward
@@ -570,6 +573,7 @@ class Plan:
 
     def capture_forward_state(self, tensors: Sequence[Tensor]) -> None:
         self.default_dtype = torch.get_default_dtype()
+        self.globals_read = _state.globals_read(self.original_function)
         if all(t.is_cpu for t in tensors):  # torch's answer then, without its pytree walk
             device_type = _tuc.DefaultDeviceType.get_device_type()
         else:
@@ -606,6 +610,8 @@ class Plan:
             contexts.append(_state.replaying_generators(self.generators, lock=False))
         if self.contents:
             contexts.append(_state.replaying_contents(self.contents, lock=False))
+        if self.globals_read and any(slot.cell_contents is not was for slot, was in self.globals_read):
+            contexts.append(_state.replaying_globals(self.globals_read))
         device_type, device_autocast, cpu_autocast = self.autocast
         if cpu_autocast is not None or _any_autocast():
             if cpu_autocast is None:  # none was on in the forward: whichever is on now is switched off

@@ -118,6 +118,7 @@ from .backward import (  # noqa: F401
     reentrant_backward,
     reentrant_backward_builds_graph,
 )
+from .closures import globals_read, replaying_globals  # noqa: F401
 from .modules import (  # noqa: F401
     attributes_values_only,
     block_bindings,

@@ -11,9 +11,11 @@ hide a module, on every call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import types
+from typing import Iterator
 
 import torch
 
@@ -26,32 +28,97 @@ from .block_reads import LIBRARY_ROOTS, global_names, is_users_object
 CLOSURE_FUNCTIONS_LIMIT = 16
 
 
-def closure_cells(function: types.FunctionType) -> list:
-    """``[(cell, name)]``: the function's closure cells, then those of each function they hold, in turn
-    (named ``"'w' (of main.<locals>.inner, which the block calls)"`` past the block's own).
+def closure_cells(function: types.FunctionType, with_globals: bool = True) -> list:
+    """``[(cell, what)]``: the function's closure cells, then those of each function they hold, in turn,
+    then the globals each of those functions' code loads (a :class:`GlobalSlot` each), ``what`` naming
+    it for a message: ``the closure variable 'w'``, ``the closure variable 'w' (of main.<locals>.inner,
+    which the block calls)``, ``the global 'W' of module __main__``.
 
     A block ``lambda h: inner(h)`` reads what ``inner``'s cells hold as much as
     its own: a module behind it is advanced again by torch's recompute, a
-    tensor re-bound there is read anew.  Followed breadth-first, each function
-    once, up to :data:`CLOSURE_FUNCTIONS_LIMIT` functions (a closure holding
-    a long chain of helpers is watched in its first ones).  A function
-    reached through a module, a container or a global is not followed.
+    tensor re-bound there is read anew; so is a global re-bound between the
+    forward and the recompute (``W = W - lr * g``).  Followed breadth-first,
+    each function once, up to :data:`CLOSURE_FUNCTIONS_LIMIT` functions (a
+    closure holding a long chain of helpers is watched in its first ones).  A
+    function reached through a module, a container or a global is not
+    followed; a global naming a Python module, a class or a function is not
+    watched (code, not state a recompute reads anew).  ``with_globals=False``: the cells alone (the
+    containers CKG112 records: a global table of a script's may be long, and is not the block's own).
     """
     found: list = []
-    queue, seen = [function], {id(function)}
-    while queue and len(seen) <= CLOSURE_FUNCTIONS_LIMIT:
-        current = queue.pop(0)
+    functions = [function]
+    seen = {id(function)}
+    for current in functions:  # grows as it goes: breadth-first
+        if len(functions) > CLOSURE_FUNCTIONS_LIMIT:
+            break
         owner = "" if current is function else f" (of {current.__qualname__}, which the block calls)"
         for cell, name in zip(current.__closure__ or (), current.__code__.co_freevars):
-            found.append((cell, repr(name) + owner))
+            found.append((cell, f"the closure variable {name!r}{owner}"))
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell: reading it fails for the caller, as for the function
                 continue
             if type(value) is types.FunctionType and value.__closure__ and id(value) not in seen:
                 seen.add(id(value))
-                queue.append(value)
+                functions.append(value)
+    for current in functions[:CLOSURE_FUNCTIONS_LIMIT] if with_globals else ():
+        namespace = current.__globals__
+        for name in global_names(current.__code__):
+            value = namespace.get(name, _ABSENT)
+            if value is not _ABSENT and not isinstance(value, _CODE):
+                found.append((GlobalSlot(namespace, name), f"the global {name!r} of module {namespace.get('__name__')}"))
     return found
+
+
+_ABSENT = object()
+#: globals that are code, not state: a Python module, a class, a function, a builtin
+_CODE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+class GlobalSlot:
+    """A global of a function's module, read and written as a closure cell is (``cell_contents``), so
+    the readers and the replay of re-bound values (CKG110) treat both alike."""
+
+    __slots__ = ("namespace", "name")
+
+    def __init__(self, namespace: dict, name: str) -> None:
+        self.namespace, self.name = namespace, name
+
+    @property
+    def cell_contents(self) -> object:
+        return self.namespace.get(self.name, _ABSENT)
+
+    @cell_contents.setter
+    def cell_contents(self, value: object) -> None:
+        if value is _ABSENT:  # it was not there: deleted again
+            self.namespace.pop(self.name, None)
+        else:
+            self.namespace[self.name] = value
+
+
+def globals_read(function: object) -> list:
+    """``[(slot, value)]``: each global a function block (or a partial or bound method of one) loads,
+    its helpers in its closure too (see :func:`closure_cells`), with its value now."""
+    while type(function) is functools.partial or type(function) is types.MethodType:
+        function = function.func if type(function) is functools.partial else function.__func__
+    if type(function) is not types.FunctionType:
+        return []
+    return [(slot, slot.cell_contents) for slot, _ in closure_cells(function) if type(slot) is GlobalSlot]
+
+
+@contextlib.contextmanager
+def replaying_globals(recorded: list) -> Iterator[None]:
+    """Each recorded global, re-bound since, bound to its recorded value while the block runs; what it
+    holds now put back after (what the run writes there, ``global calls; calls += 1``, is dropped)."""
+    changed = [(slot, was) for slot, was in recorded if slot.cell_contents is not was]
+    now = [(slot, slot.cell_contents) for slot, _ in changed]
+    for slot, was in changed:
+        slot.cell_contents = was
+    try:
+        yield
+    finally:
+        for slot, value in now:
+            slot.cell_contents = value
 
 
 #: how far from the block modules are looked for: ``lambda h: layers[0](h)`` (a list),

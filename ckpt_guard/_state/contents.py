@@ -98,10 +98,10 @@ def _argument_roots(
         values += [("argument {} bound by a functools.partial", i + 1, v) for i, v in enumerate(function.args)]
         values += [("keyword argument {!r} bound by a functools.partial", k, v) for k, v in function.keywords.items()]
         function = function.func
-    if type(function) is types.FunctionType and function.__closure__:
-        for cell, name in closure_cells(function):  # and those of the functions they hold
+    if type(function) is types.FunctionType:
+        for cell, what in closure_cells(function, with_globals=False):  # and those of the functions they hold
             try:
-                values.append(("the closure variable {}", name, cell.cell_contents))
+                values.append(("{}", what, cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
     for label, which, value in values:

@@ -364,19 +364,16 @@ def block_snapshot(function: object) -> tuple:
                 except Exception:  # noqa: BLE001 - a module the guard cannot read (a C++ one): nothing to compare
                     return _NOTHING
         return snapshot
-    if kind is types.FunctionType and function.__closure__:
+    cells: tuple = ()
+    if kind is types.FunctionType:  # its closure's cells and the globals it loads (CKG110)
         try:
             cells = tuple([cell.cell_contents for cell, _ in closure_cells(function)])
         except ValueError:  # an empty cell: a name assigned after the function was made
             return _NOTHING
-        modules = reached_modules(given)  # `lambda h: torch.tanh(lin(h))`: what lin holds, too (CKG110)
-        if modules:
-            return _closure_snapshot(cells, modules)
-        return cells, (), None, (), ()
-    modules = reached_modules(given)  # a plain object's method (`holder.run`), a function's globals
+    modules = reached_modules(given)  # `lambda h: torch.tanh(lin(h))`: what lin holds, too; `holder.run`
     if modules:
-        return _closure_snapshot((), modules)
-    return _NOTHING
+        return _closure_snapshot(cells, modules)
+    return (cells, (), None, (), ()) if cells else _NOTHING
 
 
 class ClosureRead(tuple):
@@ -454,7 +451,7 @@ def closure_held(function: object) -> list:
         return []
     if kind is types.FunctionType and function.__closure__:
         try:
-            [cell.cell_contents for cell, _ in closure_cells(function)]
+            [cell.cell_contents for cell in function.__closure__]
         except ValueError:  # an empty cell: no snapshot (see block_snapshot)
             return []
     return [m for m in reached_modules(given) if len(_structure(m).paths) <= CLOSURE_MODULE_LIMIT]
@@ -577,7 +574,7 @@ def describe_rebinding(was: object, now: object, function: object = None) -> str
     cells, added, groups = [], [], {}  # groups: id(owner) -> (owner, [names]), in first-seen order
     for owner, store, name, _ in rebound(was, function):
         if store == "cell":
-            cells.append(f"the closure variable {name} re-bound")
+            cells.append(f"{name} re-bound")
         elif store == "new":
             added.append((owner, name))
         else:
