@@ -1,12 +1,14 @@
 """Reader's helper: what a block given as a function (or an object's method) reaches by reference.
 
 A block given as ``lambda h: inner(h)`` reads what ``inner`` holds as much as
-what it holds itself, and ``lambda h: layers[0](h)`` or ``holder.run`` runs
-modules a list or an object holds.  :func:`closure_cells` is the one walk of
-the cells (the block snapshot, CKG110's re-bound values, the containers CKG112
-keeps); :func:`reached_modules` the modules whose state the snapshot watches
-(CKG106, CKG110, CKG112, CKG115, CKG117), by ``block_reads``' rules of what can
-hide a module, on every call.
+what it holds itself; ``def block(h): return h @ W`` reads the global ``W``
+when it runs, the forward and each recompute alike; ``lambda h: layers[0](h)``
+or ``holder.run`` runs modules a list or an object holds.  :func:`closure_cells`
+is the one walk of the cells and globals (the block snapshot, CKG110's re-bound
+values and their replay, the containers CKG112 keeps, the composable
+recompute's :func:`replaying_globals`); :func:`reached_modules` the modules
+whose state the snapshot watches (CKG106, CKG110, CKG112, CKG115, CKG117), by
+``block_reads``' rules of what can hide a module, on every call.
 """
 
 from __future__ import annotations
