@@ -267,6 +267,12 @@ def set_installed(config: Config) -> None:
     installs[0] += 1
 
 
+def installed() -> Config:
+    """The process-wide configuration ``install()`` set (``off`` before any): read here, since
+    ``install()`` re-binds it."""
+    return _installed
+
+
 def current() -> Config:
     """The configuration in force for a checkpoint call made now, in this context."""
     scoped = _scoped.get()

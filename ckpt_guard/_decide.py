@@ -205,7 +205,6 @@ def _walk_to_forward_site() -> tuple:
 
 STEP_ASIDE = "step-aside"  # run torch's checkpoint exactly as asked, unguarded
 
-_scoped_config = _config.scoped_config
 _getframe = sys._getframe
 _torch_compiler = _torch.compiler
 _peek_interpreter_stack = _state.peek_interpreter_stack
@@ -285,7 +284,7 @@ def prepare_call(
     # process-wide; AOT/export tracing on *this* thread also has its fake and
     # proxy modes on this thread's dispatch stack, so another thread's
     # compilation does not switch the guard off here.
-    config = _scoped_config() or _config._installed
+    config = _config.current()
     if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
         if config.active and _peek_interpreter_stack() is not None and not reentrant:
             return _compiling_under_a_transform(config, function)
@@ -625,7 +624,7 @@ COMPOSABLE_ACTION = "fallback: composable recompute"
 
 def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, original: Any) -> Any:
     """The output entry: a composable recompute where fallback calls for one, else torch's checkpoint."""
-    config = _scoped_config() or _config._installed
+    config = _config.current()
     if config.may_fall_back:
         use_reentrant = options.get("use_reentrant")
         reentrant = use_reentrant is None or bool(use_reentrant)

@@ -512,7 +512,7 @@ def _preserved_state(on: Sequence[str]) -> Iterator[None]:
     import torch
 
     was_installed = _patch.is_installed()
-    installed_config = _config._installed  # the process-wide configuration, not a scope
+    installed_config = _config.installed()  # the process-wide configuration, not a scope
     dtype = torch.get_default_dtype()
     cuda_devices = list(range(torch.cuda.device_count())) if "cuda" in on else []
     try:
@@ -589,7 +589,7 @@ def interception() -> str:
     The install state before the call is put back.
     """
     was_installed = _patch.is_installed()
-    installed_config = _config._installed
+    installed_config = _config.installed()
     _patch.uninstall()
     try:
         with warnings.catch_warnings():

@@ -368,7 +368,7 @@ def _apply_patches() -> None:
         _watch_optimizer_steps()
         _patch_huggingface()
         _skip_in_dynamo()
-        if _config._installed.may_fall_back:
+        if _config.installed().may_fall_back:
             enable_composable_fallback()
 
 
@@ -381,7 +381,7 @@ def _refuse_or_warn_unsupported() -> None:
         "install a tested torch, or a newer ckpt_guard; 'python -m ckpt_guard' shows what this "
         "torch does without the guard."
     )
-    config = _config._installed
+    config = _config.installed()
     if "strict" in (config.policy, *config.overrides.values()):
         _undo()
         raise UnsupportedTorchError(message + " (Raised because the policy is strict.)")

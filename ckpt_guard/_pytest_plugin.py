@@ -329,9 +329,9 @@ def ckpt_guard_events() -> Generator[List[Any], None, None]:
 
     from . import _config, _patch
 
-    installed_here = not ckpt_guard.is_installed() or not _config._installed.active
+    installed_here = not ckpt_guard.is_installed() or not _config.installed().active
     if installed_here:
-        previous = _config._installed if ckpt_guard.is_installed() else None
+        previous = _config.installed() if ckpt_guard.is_installed() else None
         _patch.install(_config.Config("warn", {}, source="marker"))
     try:
         with ckpt_guard.record() as events:

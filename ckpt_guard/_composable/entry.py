@@ -16,7 +16,7 @@ from .. import _composable, _config, _events, _state
 from . import proof as _proof
 from .._actions import NO_CHECKPOINT
 from .._decide import (
-    _OUTCOME_TEXT, _forward_ad, _peek_interpreter_stack, _scoped_config, _watch_composable_recompute,
+    _OUTCOME_TEXT, _forward_ad, _peek_interpreter_stack, _watch_composable_recompute,
     _where, decide_call, forward_context_of, prepare_call,
 )
 from .._drift import _Tensor, _report_at_recompute
@@ -289,7 +289,7 @@ def public_checkpoint(
             f"ckpt_guard.checkpoint(..., context_fn={name}): that is a save policy, not a context_fn; "
             f"pass context_fn=checkpoint_policies.context_fn({name})"
         )
-    scoped = _scoped_config()
+    scoped = _config.scoped_config()
     if scoped is not None and scoped.plain:  # inside a recompute: the outer one recomputes this too
         return function(*args, **{k: v for k, v in kwargs.items() if k not in _TORCH_OPTIONS})
     options = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
@@ -302,7 +302,7 @@ def public_checkpoint(
     # a naming policy: torch's selective checkpointing cannot see checkpoint_name, this recompute can
     names = names_policy_of(context_fn) if context_fn is not None else None
     if eager and not swapped and names is None:
-        if not _config._installed.active:  # no patch point guards torch's call here
+        if not _config.installed().active:  # no patch point guards torch's call here
             return _checked_without_install(function, args, kwargs, options, preserve_rng_state, scoped)
         return _torch_checkpoint.checkpoint(function, *args, **options, **kwargs)
     named_eager = eager and not swapped  # (names is not None)
