@@ -352,7 +352,7 @@ def prepare_call(
     # CKG010: where fallback records the structure of a nested output it flattened
     nested = [None] if reentrant and config.policy_for(_NESTED_RULE.id) != "off" else None
     # CKG117: the buffers of its modules in training mode, kept as the call found them (copy on write)
-    kept = _kept_buffers(reads, forward_state[_TRAINING_INDEX]) if _BUFFERS_WATCHED and config.policy_for(
+    kept = _kept_buffers(reads, forward_state[_TRAINING_INDEX], bindings) if _BUFFERS_WATCHED and config.policy_for(
         _BUFFERS_RULE.id
     ) != "off" else None
     guarded = _partial(

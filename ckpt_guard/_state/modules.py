@@ -421,6 +421,14 @@ def _closure_snapshot(cells: tuple, modules: list) -> tuple:
         attributes, ()
 
 
+def modules_in_snapshot(bindings: object) -> Optional[list]:
+    """The modules a function block's snapshot (its :class:`ClosureRead`) took, in the order its
+    training flags join them; None for any other snapshot (a module block's, a plain closure's)."""
+    if type(bindings) is not ClosureRead:
+        return None
+    return [module for module, snapshot in zip(bindings[1], bindings[2]) if snapshot is not None]
+
+
 def snapshot_roots(function: object) -> list:
     """The modules whose snapshots the block's is made of: its module (itself, its bound method, a
     partial of either), or each module its closure's cells hold (see :func:`_closure_snapshot`)."""

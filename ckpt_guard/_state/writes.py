@@ -24,21 +24,27 @@ from typing import List, Optional, Tuple
 import torch
 
 from .basics import Module
-from .modules import _block_module, _structure, closure_held
+from .modules import _block_module, _structure, closure_held, modules_in_snapshot
 
 Kept = List[Tuple[Module, str, torch.Tensor]]
 
 
-def kept_buffers(function: object, training: Optional[tuple]) -> Optional[Kept]:
+def kept_buffers(function: object, training: Optional[tuple], bindings: object = None) -> Optional[Kept]:
     """``[(module, buffer name, its value now, kept copy-on-write)]`` for the block's modules in training
-    mode that hold buffers; None where there is none (the usual call: a few tuple reads)."""
+    mode that hold buffers; None where there is none (the usual call: a few tuple reads).
+
+    ``bindings`` is the call's block snapshot (CKG110's part) where the caller has it: for a function
+    block its :class:`ClosureRead` names the modules whose flags ``training`` joins, so they are not
+    looked for a second time (and are the same modules by construction).
+    """
     if not training or not any(training):
         return None
     block = _block_module(function)
     if not isinstance(block, Module):  # a closure: each module it holds, its part of the flags in turn
         kept_all: Kept = []
         start = 0
-        for module in closure_held(block):
+        held = modules_in_snapshot(bindings)
+        for module in closure_held(block) if held is None else held:
             n = len(_structure(module).paths)
             kept_all += kept_buffers(module, training[start:start + n]) or []
             start += n
