@@ -346,6 +346,10 @@ CLOSURES = {
     "a callable object holding the block": lambda counting, norm, parent: _CallableHolder(parent.block),
     "def block(u): return GLOBAL_BLOCK(u), a global": lambda counting, norm, parent: _through_a_global(parent.block),
     "lambda u, block=self.block: block(u), a default": lambda counting, norm, parent: (lambda u, b=parent.block: b(u)),
+    # beside a module whose snapshot cannot be read: CKG117 kept nothing (the flags and the modules it
+    # looked for disagreed), so torch's recompute moved BatchNorm's statistics again (c7c5382)
+    "lambda u: norm(counting(unreadable(u)))":
+        lambda counting, norm, parent: (lambda odd: lambda u: norm(counting(odd(u))))(_Unreadable()),
 }
 
 GLOBAL_BLOCK = None  # what _read_the_global loads; each copy _through_a_global makes reads its own
@@ -377,6 +381,21 @@ def _through_dict(parts):
 
 def _through_object(holder):
     return lambda u: holder.block(u)
+
+
+class _Unreadable(nn.Module):
+    """A module whose train/eval flag cannot be read (a property that raises): no snapshot of it is taken."""
+
+    @property
+    def training(self):
+        raise RuntimeError("not readable")
+
+    @training.setter
+    def training(self, value):
+        pass
+
+    def forward(self, u):
+        return u * 1.0
 
 
 class _Holder:
