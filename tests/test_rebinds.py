@@ -354,17 +354,54 @@ def _global_counter_block(h):
     return torch.tanh(h) * GLOBAL_CALLS
 
 
-def _global_program(which: str, ckpt) -> list:
+def _calls_the_weight_block(h):  # a global helper of the user's, which loads the global
+    return _global_weight_block(h)
+
+
+def _calls_the_counter_block(h):
+    return _global_counter_block(h)
+
+
+class _GlobalsUser:
+    """A plain object (no module) whose method, or whose ``__call__``, loads the global."""
+
+    def __init__(self, block):
+        self.block_code = block
+
+    def __call__(self, h):
+        return self.block_code(h)
+
+    def run(self, h):
+        return self.block_code(h)
+
+
+#: how the block reaches the global: its own code, a helper in its closure (a function without cells
+#: of its own), a global helper, a callable object, a plain object's method (the last four unseen
+#: before 2026-12-06's second session: torch's recompute read the new value)
+GLOBAL_SHAPES = {
+    "the block's own code": lambda block: block,
+    "a helper in its closure": lambda block: (lambda inner: lambda h: inner(h))(
+        (lambda h: torch.tanh(h @ GLOBAL_W)) if block is _global_weight_block else _global_counter_block
+    ),
+    "a global helper it calls": lambda block: (
+        _calls_the_weight_block if block is _global_weight_block else _calls_the_counter_block
+    ),
+    "a callable object": lambda block: _GlobalsUser(block),
+    "a plain object's method": lambda block: _GlobalsUser(block).run,
+}
+
+
+def _global_program(which: str, ckpt, shape: str = "the block's own code") -> list:
     global GLOBAL_W, GLOBAL_CALLS
     torch.manual_seed(0)
     GLOBAL_W = w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     GLOBAL_CALLS = 0
     if which == "a weight re-bound after the call":
-        y = ckpt(_global_weight_block, x)
+        y = ckpt(GLOBAL_SHAPES[shape](_global_weight_block), x)
         GLOBAL_W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     else:
-        y = ckpt(_global_counter_block, x)
+        y = ckpt(GLOBAL_SHAPES[shape](_global_counter_block), x)
     y.pow(2).sum().backward()
     return [w.grad, x.grad, torch.tensor(float(GLOBAL_CALLS))]
 
@@ -376,27 +413,28 @@ GLOBAL_ENTRIES = {
 }
 
 
+@pytest.mark.parametrize("shape", list(GLOBAL_SHAPES))
 @pytest.mark.parametrize("entry", list(GLOBAL_ENTRIES))
 @pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
-def test_a_global_re_bound_before_the_recompute_is_caught(which, entry):
+def test_a_global_re_bound_before_the_recompute_is_caught(which, entry, shape):
     if not HOLDS:
         pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
     ckpt = GLOBAL_ENTRIES[entry]
     zeros = lambda got: [torch.zeros(()) if g is None else g for g in got]  # noqa: E731 - reentrant: no w.grad
-    reference = zeros(_global_program(which, lambda f, *a: f(*a)))
+    reference = zeros(_global_program(which, lambda f, *a: f(*a), shape))
     ckpt_guard.uninstall()
     if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong (w gets no gradient, or the count is off)
-        raw = zeros(_global_program(which, ckpt))
+        raw = zeros(_global_program(which, ckpt, shape))
         assert any(r.shape != g.shape or not torch.allclose(r, g) for r, g in zip(raw, reference))
     with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
-        _under("strict", _global_program, which, ckpt)
+        _under("strict", _global_program, which, ckpt, shape)
     assert f"the global {'GLOBAL_W' if 'weight' in which else 'GLOBAL_CALLS'!r} of module" in str(info.value)
     if entry != "ckpt_guard.checkpoint":
-        warned, messages = _under("warn", _global_program, which, ckpt)
+        warned, messages = _under("warn", _global_program, which, ckpt, shape)
         assert {m.rule.id for m in messages} == {"CKG110"}
         for w, r in zip(zeros(warned), raw):
             assert torch.equal(w, r)  # warn: exactly what torch does
-    repaired, _ = _under("fallback", _global_program, which, ckpt)
+    repaired, _ = _under("fallback", _global_program, which, ckpt, shape)
     for g, r in zip(zeros(repaired), reference):
         torch.testing.assert_close(g, r)
 
@@ -404,12 +442,14 @@ def test_a_global_re_bound_before_the_recompute_is_caught(which, entry):
 # the same globals through ckpt_guard.checkpoint's composable recompute, under torch.func: it binds the
 # call's values for each recompute (before 2026-12-06 it read the new ones: silently wrong under vjp)
 
-def _composable_global_program(which: str, transform: str, ckpt) -> list:
+def _composable_global_program(which: str, transform: str, ckpt, shape: str = "the block's own code") -> list:
     global GLOBAL_W, GLOBAL_CALLS
     torch.manual_seed(0)
     w0 = torch.randn(3, 3, dtype=torch.float64)
     x = torch.randn(4, 3, dtype=torch.float64)
-    block = _global_weight_block if which == "a weight re-bound after the call" else _global_counter_block
+    block = GLOBAL_SHAPES[shape](
+        _global_weight_block if which == "a weight re-bound after the call" else _global_counter_block
+    )
 
     def loss(x):
         global GLOBAL_W
@@ -430,11 +470,106 @@ def _composable_global_program(which: str, transform: str, ckpt) -> list:
     return [got, torch.tensor(float(GLOBAL_CALLS))]
 
 
+@pytest.mark.parametrize("shape", list(GLOBAL_SHAPES))
 @pytest.mark.parametrize("transform", ["vjp, pullback after a re-bind", "grad", "vmap(grad)"])
 @pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
 @pytest.mark.parametrize("policy", ["strict", "fallback"])
-def test_the_composable_recompute_reads_globals_as_the_call_found_them(policy, which, transform):
-    reference = _composable_global_program(which, transform, lambda f, *a: f(*a))
-    got, _ = _under(policy, _composable_global_program, which, transform, ckpt_guard.checkpoint)
+def test_the_composable_recompute_reads_globals_as_the_call_found_them(policy, which, transform, shape):
+    reference = _composable_global_program(which, transform, lambda f, *a: f(*a), shape)
+    got, _ = _under(policy, _composable_global_program, which, transform, ckpt_guard.checkpoint, shape)
+    for g, r in zip(got, reference):
+        torch.testing.assert_close(g, r)
+
+
+# a plain object's own attribute its code reads (``self.calls += 1``, ``self.weight``), re-bound between the
+# call and the recompute: a trainer or a wrapper of a library's own that is not a module (unseen before
+# 2026-12-06's second session: torch's recompute read the new value, the composable one too)
+
+class _Stepper:
+    def __init__(self, weight):
+        self.weight, self.calls = weight, 0
+
+    def __call__(self, h):
+        self.calls += 1
+        return torch.tanh(h @ self.weight) * self.calls
+
+    def run(self, h):
+        return self(h)
+
+
+ATTRIBUTE_SHAPES = {"a callable object": lambda stepper: stepper, "a plain object's method": lambda stepper: stepper.run}
+
+
+def _attribute_program(which: str, ckpt, shape: str) -> list:
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    stepper = _Stepper(w)
+    y = ckpt(ATTRIBUTE_SHAPES[shape](stepper), x)
+    if which == "a weight re-bound after the call":
+        stepper.weight = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    y.pow(2).sum().backward()
+    return [w.grad, x.grad, torch.tensor(float(stepper.calls))]
+
+
+@pytest.mark.parametrize("shape", list(ATTRIBUTE_SHAPES))
+@pytest.mark.parametrize("entry", list(GLOBAL_ENTRIES))
+@pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
+def test_a_plain_objects_attribute_re_bound_before_the_recompute_is_caught(which, entry, shape):
+    if not HOLDS:
+        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
+    ckpt = GLOBAL_ENTRIES[entry]
+    zeros = lambda got: [torch.zeros(()) if g is None else g for g in got]  # noqa: E731 - reentrant: no w.grad
+    reference = zeros(_attribute_program(which, lambda f, *a: f(*a), shape))
+    ckpt_guard.uninstall()
+    if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong
+        raw = zeros(_attribute_program(which, ckpt, shape))
+        assert any(r.shape != g.shape or not torch.allclose(r, g) for r, g in zip(raw, reference))
+    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
+        _under("strict", _attribute_program, which, ckpt, shape)
+    name = "weight" if "weight" in which else "calls"
+    assert f"the attribute {name!r} of the _Stepper object the block runs re-bound" in str(info.value)
+    if entry != "ckpt_guard.checkpoint":
+        warned, messages = _under("warn", _attribute_program, which, ckpt, shape)
+        assert {m.rule.id for m in messages} == {"CKG110"}
+        for w, r in zip(zeros(warned), raw):
+            assert torch.equal(w, r)  # warn: exactly what torch does
+    repaired, _ = _under("fallback", _attribute_program, which, ckpt, shape)
+    for g, r in zip(zeros(repaired), reference):
+        torch.testing.assert_close(g, r)
+
+
+def _composable_attribute_program(which: str, transform: str, ckpt, shape: str) -> list:
+    torch.manual_seed(0)
+    w0 = torch.randn(3, 3, dtype=torch.float64)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    stepper = _Stepper(w0)
+    block = ATTRIBUTE_SHAPES[shape](stepper)
+
+    def loss(x):
+        y = ckpt(block, x)
+        if which == "a weight re-bound after the call":
+            stepper.weight = w0 * 2
+        return y.pow(2).sum()
+
+    if transform == "vjp, pullback after a re-bind":
+        out, pull = torch.func.vjp(loss, x)
+        got = pull(torch.ones_like(out))[0]
+    elif transform == "grad":
+        got = torch.func.grad(loss)(x)
+    else:  # vmap(grad)
+        got = torch.func.vmap(torch.func.grad(loss))(x.unsqueeze(1).expand(4, 2, 3).clone())
+    return [got, torch.tensor(float(stepper.calls))]
+
+
+@pytest.mark.parametrize("shape", list(ATTRIBUTE_SHAPES))
+@pytest.mark.parametrize("transform", ["vjp, pullback after a re-bind", "grad", "vmap(grad)"])
+@pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_the_composable_recompute_reads_a_plain_objects_attributes_as_the_call_found_them(
+    policy, which, transform, shape
+):
+    reference = _composable_attribute_program(which, transform, lambda f, *a: f(*a), shape)
+    got, _ = _under(policy, _composable_attribute_program, which, transform, ckpt_guard.checkpoint, shape)
     for g, r in zip(got, reference):
         torch.testing.assert_close(g, r)

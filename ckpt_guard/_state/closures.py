@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 import types
+import weakref
 from typing import Iterator
 
 import torch
@@ -30,28 +31,42 @@ from .block_reads import LIBRARY_ROOTS, global_names, is_users_object
 CLOSURE_FUNCTIONS_LIMIT = 16
 
 
-def closure_cells(function: types.FunctionType, with_globals: bool = True) -> list:
-    """``[(cell, what)]``: the function's closure cells, then those of each function they hold, in turn,
-    then the globals each of those functions' code loads (a :class:`GlobalSlot` each), ``what`` naming
-    it for a message: ``the closure variable 'w'``, ``the closure variable 'w' (of main.<locals>.inner,
-    which the block calls)``, ``the global 'W' of module __main__``.
+def closure_cells(function: types.FunctionType, with_globals: bool = True, helpers: tuple = ()) -> list:
+    """``[(cell, what)]``: the function's closure cells and the globals its code loads (a
+    :class:`GlobalSlot` each), then those of each function they hold, in turn, ``what`` naming it for a
+    message: ``the closure variable 'w'``, ``the closure variable 'w' (of main.<locals>.inner, which
+    the block calls)``, ``the global 'W' of module __main__``.
 
     A block ``lambda h: inner(h)`` reads what ``inner``'s cells hold as much as
     its own: a module behind it is advanced again by torch's recompute, a
     tensor re-bound there is read anew; so is a global re-bound between the
-    forward and the recompute (``W = W - lr * g``).  Followed breadth-first,
+    forward and the recompute (``W = W - lr * g``), read by the block or by a
+    helper it calls (held in a cell, or a function of the user's that is a
+    global: ``def block(h): return helper(h)``).  Followed breadth-first,
     each function once, up to :data:`CLOSURE_FUNCTIONS_LIMIT` functions (a
-    closure holding a long chain of helpers is watched in its first ones).  A
-    function reached through a module, a container or a global is not
+    closure holding a long chain of helpers is watched in its first ones); torch's and Python's own
+    functions are not followed.  A function reached through a module or a container is not
     followed; a global naming a Python module, a class or a function is not
     watched (code, not state a recompute reads anew).  ``with_globals=False``: the cells alone (the
     containers CKG112 records: a global table of a script's may be long, and is not the block's own).
+    ``helpers``: more functions the block calls, followed after it (those a plain object holds).
     """
     found: list = []
     functions = [function]
     seen = {id(function)}
-    for current in functions:  # grows as it goes: breadth-first
-        if len(functions) > CLOSURE_FUNCTIONS_LIMIT:
+
+    def follow(value: object) -> None:
+        if (
+            type(value) is types.FunctionType and id(value) not in seen and (with_globals or value.__closure__)
+            and (getattr(value, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS
+        ):
+            seen.add(id(value))
+            functions.append(value)
+
+    for helper in helpers:
+        follow(helper)
+    for index, current in enumerate(functions):  # grows as it goes: breadth-first
+        if index >= CLOSURE_FUNCTIONS_LIMIT:
             break
         owner = "" if current is function else f" (of {current.__qualname__}, which the block calls)"
         for cell, name in zip(current.__closure__ or (), current.__code__.co_freevars):
@@ -60,21 +75,123 @@ def closure_cells(function: types.FunctionType, with_globals: bool = True) -> li
                 value = cell.cell_contents
             except ValueError:  # an empty cell: reading it fails for the caller, as for the function
                 continue
-            if type(value) is types.FunctionType and value.__closure__ and id(value) not in seen:
-                seen.add(id(value))
-                functions.append(value)
-    for current in functions[:CLOSURE_FUNCTIONS_LIMIT] if with_globals else ():
+            follow(value)
+        if not with_globals:
+            continue
         namespace = current.__globals__
         for name in global_names(current.__code__):
             value = namespace.get(name, _ABSENT)
-            if value is not _ABSENT and not isinstance(value, _CODE):
+            if value is _ABSENT:
+                continue
+            if isinstance(value, _CODE):
+                follow(value)  # a helper of the user's: what it reads is read too
+            else:
                 found.append((GlobalSlot(namespace, name), f"the global {name!r} of module {namespace.get('__name__')}"))
     return found
+
+
+def object_slots(block: object) -> list:
+    """``[(slot, what)]`` for a block that is a plain object's method or a callable object (not a module):
+    its function's cells and globals (:func:`closure_cells`), then each attribute of the object its code
+    names that the object holds (an :class:`AttributeSlot` each: ``self.calls += 1``, ``self.scale``);
+    [] for anything else.  Its modules are :func:`reached_modules`' (their own snapshots)."""
+    while True:  # the guard's recorder: a partial of a method bound to the user's block
+        kind = type(block)
+        if kind is functools.partial:
+            block = block.func
+        elif kind is types.MethodType and isinstance(block.__self__, (types.FunctionType, types.MethodType, functools.partial)):
+            block = block.__self__
+        else:
+            break
+    if kind is types.MethodType:
+        function, instance = block.__func__, block.__self__
+    elif kind is types.FunctionType or isinstance(block, Module) or not is_users_object(block):
+        return []
+    else:  # a callable object: its class's __call__
+        function, instance = getattr(kind, "__call__", None), block
+    if type(function) is not types.FunctionType or isinstance(instance, Module):
+        return []
+    try:
+        attributes = object.__getattribute__(instance, "__dict__")
+    except (AttributeError, TypeError):  # __slots__: nothing to read by name here
+        attributes = None
+    if type(attributes) is not dict:
+        return closure_cells(function)
+    named = [(name, attributes[name]) for name in _class_attribute_names(type(instance)) if name in attributes]
+    # a function the object holds and its code names (``self.step_fn(h)``) is followed as a closure's helper is
+    found = closure_cells(function, helpers=tuple(value for _, value in named if type(value) is types.FunctionType))
+    label = type(instance).__name__
+    for name, value in named:
+        if not isinstance(value, (Module, *_CODE)):
+            found.append((AttributeSlot(instance, name), f"the attribute {name!r} of the {label} object the block runs"))
+    return found
+
+
+def _class_attribute_names(cls: type) -> tuple:
+    """The names a class's own code names (every method's, nested code's too), sorted, read once per class:
+    a superset of the ``self.<name>`` any method reads (``run`` calling ``self(h)`` reads ``__call__``'s)."""
+    known = _class_names.get(cls)
+    if known is None:
+        names: set = set()
+        for klass in cls.__mro__:
+            if (getattr(klass, "__module__", None) or "").split(".")[0] in LIBRARY_ROOTS:
+                continue
+            for value in list(vars(klass).values()):
+                function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+                code = getattr(function, "__code__", None)
+                if code is not None:
+                    names |= _code_names(code)
+        try:
+            known = _class_names[cls] = tuple(sorted(names))
+        except TypeError:  # a class that cannot be weakly referenced: read again next time
+            known = tuple(sorted(names))
+    return known
+
+
+def _code_names(code: types.CodeType) -> set:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _code_names(constant)
+    return names
+
+
+_class_names: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+
+
+def block_slots(block: object) -> list:
+    """``[(slot, what)]``: what a block given as code reads by name (see :func:`closure_cells` and
+    :func:`object_slots`), in the order the block snapshot keeps them."""
+    if type(block) is types.FunctionType:
+        return closure_cells(block)
+    return object_slots(block)
 
 
 _ABSENT = object()
 #: globals that are code, not state: a Python module, a class, a function, a builtin
 _CODE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, functools.partial)
+
+
+class AttributeSlot:
+    """An attribute of a plain object a block's code reads (``self.calls``), read and written as a closure
+    cell is (``cell_contents``), so CKG110's reader and its replay treat it alike."""
+
+    __slots__ = ("instance", "name")
+
+    def __init__(self, instance: object, name: str) -> None:
+        self.instance, self.name = instance, name
+
+    @property
+    def cell_contents(self) -> object:
+        return object.__getattribute__(self.instance, "__dict__").get(self.name, _ABSENT)
+
+    @cell_contents.setter
+    def cell_contents(self, value: object) -> None:
+        attributes = object.__getattribute__(self.instance, "__dict__")
+        if value is _ABSENT:
+            attributes.pop(self.name, None)
+        else:
+            attributes[self.name] = value
 
 
 class GlobalSlot:
@@ -100,12 +217,15 @@ class GlobalSlot:
 
 def globals_read(function: object) -> list:
     """``[(slot, value)]``: each global a function block (or a partial or bound method of one) loads,
-    its helpers in its closure too (see :func:`closure_cells`), with its value now."""
-    while type(function) is functools.partial or type(function) is types.MethodType:
-        function = function.func if type(function) is functools.partial else function.__func__
-    if type(function) is not types.FunctionType:
-        return []
-    return [(slot, slot.cell_contents) for slot, _ in closure_cells(function) if type(slot) is GlobalSlot]
+    its helpers' too (see :func:`closure_cells`), and each attribute of a plain object whose method (or
+    ``__call__``) the block is that its code names (:func:`object_slots`), with its value now."""
+    while type(function) is functools.partial or (
+        type(function) is types.MethodType and isinstance(function.__self__, (types.FunctionType, functools.partial))
+    ):
+        function = function.func if type(function) is functools.partial else function.__self__
+    if type(function) is types.MethodType and isinstance(function.__self__, Module):
+        function = function.__func__  # a module's method: the globals its code loads (its tensors are bound)
+    return [(slot, slot.cell_contents) for slot, _ in block_slots(function) if type(slot) is not types.CellType]
 
 
 @contextlib.contextmanager

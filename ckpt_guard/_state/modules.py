@@ -22,7 +22,7 @@ import torch
 
 from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents
-from .closures import closure_cells, reached_modules
+from .closures import block_slots, closure_cells, object_slots, reached_modules
 
 
 # --------------------------------------------------------------------------
@@ -370,6 +370,11 @@ def block_snapshot(function: object) -> tuple:
             cells = tuple([cell.cell_contents for cell, _ in closure_cells(function)])
         except ValueError:  # an empty cell: a name assigned after the function was made
             return _NOTHING
+    elif kind is not types.BuiltinFunctionType:  # a plain object's method, a callable object: its code's reads
+        try:
+            cells = tuple([slot.cell_contents for slot, _ in object_slots(given)])
+        except ValueError:
+            return _NOTHING
     modules = reached_modules(given)  # `lambda h: torch.tanh(lin(h))`: what lin holds, too; `holder.run`
     if modules:
         return _closure_snapshot(cells, modules)
@@ -502,7 +507,7 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
     """
     block = _block_module(function)
     if not isinstance(block, Module):
-        reached = closure_cells(block) if type(block) is types.FunctionType else []
+        reached = block_slots(block)
         held: list = []
         if type(was) is ClosureRead:  # modules the cells reach: what they hold, too
             was, modules, tensors = was
