@@ -1242,8 +1242,9 @@ _DRIFT_RULES = [
             "module (the module, its bound method, or a partial of either) was replaced by another "
             "tensor: a meta-optimizer writing new, non-leaf weights (torchopt's MetaSGD, higher's "
             "differentiable optimizers, del m.weight; m.weight = w0 - lr * g), or a variable a "
-            "checkpointed function closes over, or a global it loads, was re-bound (a loop: "
-            "m = masks[i]; a script's W = W - lr * g)"
+            "checkpointed function closes over, a global it (or a helper it calls) loads, or an "
+            "attribute of the plain object whose method it is, was re-bound (a loop: "
+            "m = masks[i]; a script's W = W - lr * g; self.calls += 1)"
         ),
         symptom=(
             "returns silently wrong gradients: the recompute reads the new tensor, so the outer "
