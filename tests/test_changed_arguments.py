@@ -600,3 +600,58 @@ def test_the_guards_own_record_bound_by_a_partial_is_not_the_users_state():
 
     users = functools.partial(lambda record, t: t.tanh(), UsersRecord())
     assert [entry[2] for entry in argument_contents(users, (x,))] == ["object"]
+
+
+# a value the block reads from a container it is given (its closure, an argument), changed by the program
+# after the call and before the pullback (``cfg.scale = 2.0``, ``scales[0] = 2.0``): the composable
+# recompute runs with it as the call found it (before 2026-12-06's second session it read the new one, and
+# the gradient was silently wrong), and the program's value is there after
+
+
+class _Config:
+    pass
+
+
+def _changed_after_the_call(kind: str, way: str, transform: str, ckpt) -> list:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    config = _Config()
+    config.scale = 1.5
+    holder = {"object": config, "list": [1.5], "dict": {"scale": 1.5}}[kind]
+    read = {"object": lambda c: c.scale, "list": lambda c: c[0], "dict": lambda c: c["scale"]}[kind]
+
+    def change():
+        if kind == "object":
+            holder.scale = 2.0
+        else:
+            holder[0 if kind == "list" else "scale"] = 2.0
+
+    if way == "its closure":
+        call = lambda h: ckpt(lambda u: torch.sin(lin(u) * read(holder)), h)  # noqa: E731
+    else:
+        call = lambda h: ckpt(lambda u, c: torch.sin(lin(u) * read(c)), h, holder)  # noqa: E731
+
+    def loss(h):
+        y = call(h)
+        change()
+        return y.pow(2).sum()
+
+    if transform == "vjp, pullback after the change":
+        out, pull = torch.func.vjp(lambda h: call(h).pow(2).sum(), x)
+        change()
+        got = pull(torch.ones_like(out))[0]
+    elif transform == "grad":
+        got = torch.func.grad(loss)(x)
+    else:  # vmap(grad)
+        got = torch.func.vmap(torch.func.grad(loss))(x.unsqueeze(1).expand(4, 2, 3).clone())
+    return [got, torch.tensor(read(holder))]
+
+
+@pytest.mark.parametrize("transform", ["vjp, pullback after the change", "grad", "vmap(grad)"])
+@pytest.mark.parametrize("way", ["its closure", "an argument"])
+@pytest.mark.parametrize("kind", ["object", "list", "dict"])
+def test_the_composable_recompute_reads_a_container_as_the_call_found_it(kind, way, transform):
+    reference = _changed_after_the_call(kind, way, transform, lambda f, *a: f(*a))
+    assert reference[1].item() == 2.0
+    assert_all_close(_changed_after_the_call(kind, way, transform, ckpt_guard.checkpoint), reference)

@@ -200,6 +200,9 @@ class Plan:
         #: the user's containers the forward changed, as it found them (``_state.contents_snapshot``
         #: entries): every recompute runs with these contents, and puts back what they hold then
         self.contents: List[tuple] = []
+        #: the rest of the user's containers the block is given, as the call found them: one the
+        #: program changes after the call (``cfg.scale = 2.0`` before the pullback) is replayed too
+        self.contents_at_call: List[tuple] = []
         #: (slot, value) of each global the block's code loads, as the call found it: a recompute
         #: runs with those a script re-bound since (``W = W - lr * g``), as the forward did
         self.globals_read: List[tuple] = []
@@ -356,6 +359,11 @@ class Plan:
             self.contents, self.refusal = _contents_to_replay(given)
             if self.refusal is not None:
                 return output
+            replayed = {id(entry[1]) for entry in self.contents}
+            self.contents_at_call = [
+                entry for entry in given
+                if entry[2] != "tensor" and id(entry[1]) not in replayed and _state.replayable([entry])
+            ]
         read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
         if read is not None and len(read) < len(inputs):
             self._bind_what_the_forward_put(read)
@@ -608,8 +616,11 @@ class Plan:
         if self.generators:
             # the recompute draws are not the program's: each is left where the program had it
             contexts.append(_state.replaying_generators(self.generators, lock=False))
-        if self.contents:
-            contexts.append(_state.replaying_contents(self.contents, lock=False))
+        contents = self.contents
+        if self.contents_at_call:  # changed since the call by the program (the forward's own: self.contents)
+            contents = contents + _state.changed_at_all(self.contents_at_call)
+        if contents:
+            contexts.append(_state.replaying_contents(contents, lock=False))
         if self.globals_read and any(slot.cell_contents is not was for slot, was in self.globals_read):
             contexts.append(_state.replaying_globals(self.globals_read))
         device_type, device_autocast, cpu_autocast = self.autocast
