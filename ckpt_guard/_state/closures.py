@@ -17,7 +17,6 @@ import contextlib
 import functools
 import itertools
 import types
-import weakref
 from typing import Iterator
 
 import torch
@@ -117,7 +116,7 @@ def object_slots(block: object) -> list:
         attributes = None
     if type(attributes) is not dict:
         return closure_cells(function)
-    named = [(name, attributes[name]) for name in _class_attribute_names(type(instance)) if name in attributes]
+    named = [(name, attributes[name]) for name in _method_attribute_names(type(instance), function) if name in attributes]
     # a function the object holds and its code names (``self.step_fn(h)``) is followed as a closure's helper is
     found = closure_cells(function, helpers=tuple(value for _, value in named if type(value) is types.FunctionType))
     label = type(instance).__name__
@@ -127,24 +126,35 @@ def object_slots(block: object) -> list:
     return found
 
 
-def _class_attribute_names(cls: type) -> tuple:
-    """The names a class's own code names (every method's, nested code's too), sorted, read once per class:
-    a superset of the ``self.<name>`` any method reads (``run`` calling ``self(h)`` reads ``__call__``'s)."""
-    known = _class_names.get(cls)
+def _method_attribute_names(cls: type, function: types.FunctionType) -> tuple:
+    """The names the method ``function`` of ``cls`` names, and those of each method or property of the
+    class it names in turn (``self.helper(h)``; ``__call__`` too, which ``self(h)`` runs), sorted, read
+    once per class and method: a superset of the ``self.<name>`` the block reads, and no more of the
+    class (a trainer's ``self.last_loss = ...`` in another method is not the block's read)."""
+    key = (cls, function)
+    known = _method_names.get(key)
     if known is None:
+        members: dict = {}
+        for klass in reversed(cls.__mro__):
+            if (getattr(klass, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
+                members.update(vars(klass))
         names: set = set()
-        for klass in cls.__mro__:
-            if (getattr(klass, "__module__", None) or "").split(".")[0] in LIBRARY_ROOTS:
+        todo = [function, members.get("__call__")]
+        done: set = set()
+        while todo:
+            value = todo.pop()
+            value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            code = getattr(value, "__code__", None)
+            if code is None or id(code) in done:
                 continue
-            for value in list(vars(klass).values()):
-                function = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
-                code = getattr(function, "__code__", None)
-                if code is not None:
-                    names |= _code_names(code)
-        try:
-            known = _class_names[cls] = tuple(sorted(names))
-        except TypeError:  # a class that cannot be weakly referenced: read again next time
-            known = tuple(sorted(names))
+            done.add(id(code))
+            found = _code_names(code)
+            names |= found
+            todo += [members[name] for name in found if name in members]
+        known = tuple(sorted(names))
+        if len(_method_names) >= 1024:
+            _method_names.clear()
+        _method_names[key] = known
     return known
 
 
@@ -156,7 +166,8 @@ def _code_names(code: types.CodeType) -> set:
     return names
 
 
-_class_names: "weakref.WeakKeyDictionary[type, tuple]" = weakref.WeakKeyDictionary()
+#: (class, method) -> the names :func:`_method_attribute_names` found (cleared past 1024 entries)
+_method_names: dict = {}
 
 
 def block_slots(block: object) -> list:
