@@ -83,7 +83,8 @@ def closure_cells(function: types.FunctionType, with_globals: bool = True, helpe
             if value is _ABSENT:
                 continue
             if isinstance(value, _CODE):
-                follow(value)  # a helper of the user's: what it reads is read too
+                if type(value) is types.FunctionType and not _installed_library(value):
+                    follow(value)  # a helper of the user's: what it reads is read too
             else:
                 found.append((GlobalSlot(namespace, name), f"the global {name!r} of module {namespace.get('__name__')}"))
     return found
@@ -176,6 +177,14 @@ def block_slots(block: object) -> list:
     if type(block) is types.FunctionType:
         return closure_cells(block)
     return object_slots(block)
+
+
+def _installed_library(function: types.FunctionType) -> bool:
+    """Whether a function's code comes from an installed package (not the user's script or project):
+    a library's helper reached as a global is not followed for the globals it loads (its module's
+    tables and caches are its own business, and a re-bind there would be an alarm the user cannot act on)."""
+    filename = function.__code__.co_filename
+    return "site-packages" in filename or "dist-packages" in filename
 
 
 _ABSENT = object()
