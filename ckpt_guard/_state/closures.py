@@ -99,7 +99,10 @@ def object_slots(block: object) -> list:
         kind = type(block)
         if kind is functools.partial:
             block = block.func
-        elif kind is types.MethodType and isinstance(block.__self__, (types.FunctionType, types.MethodType, functools.partial)):
+        elif kind is types.MethodType and (
+            isinstance(block.__self__, (types.FunctionType, types.MethodType, functools.partial))
+            or (getattr(block.__func__, "__module__", None) or "").startswith("ckpt_guard.")
+        ):  # (a method of the guard's bound to the user's block: the block is what it runs)
             block = block.__self__
         else:
             break
