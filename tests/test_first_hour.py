@@ -107,6 +107,51 @@ def test_forward_over_forward_is_refused_with_a_fix_that_works():
         torch.testing.assert_close(g, r)
 
 
+class _Sin(torch.autograd.Function):
+    """A textbook custom Function: its jvp written in torch operations, its input saved for forward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_forward(inputs[0])
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x.cos()
+
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return t * x.cos()
+
+
+def test_the_refusals_premise_holds_on_this_torch():
+    """forward-over-forward's reason, measured: an outer forward-mode level does not differentiate a custom
+    Function's jvp rule (torch runs it with forward AD off for the levels above), so every recompute built
+    as a custom Function, this one's included, would return zero second-order tangents; reverse over
+    forward and reverse over reverse are right (pytorch/pytorch#197867).  If this fails, torch fixed it:
+    the refusal can be lifted for this release."""
+    x = torch.tensor([0.3, -1.2, 2.0], dtype=DTYPE)
+    v = torch.ones(3, dtype=DTYPE)
+    plain, custom = (lambda x: x.sin().sum()), (lambda x: _Sin.apply(x).sum())
+
+    def jvp_of_jvp(f):
+        return jvp(lambda y: jvp(f, (y,), (v,))[1], (x,), (v,))[1]
+
+    assert jvp_of_jvp(plain).abs().item() > 0.1
+    assert jvp_of_jvp(custom).item() == 0.0
+    assert torch.count_nonzero(torch.func.jacfwd(torch.func.jacfwd(custom))(x)) == 0
+    torch.testing.assert_close(jacrev(jacrev(custom))(x), jacrev(jacrev(plain))(x))
+    torch.testing.assert_close(jvp(grad(custom), (x,), (v,))[1], jvp(grad(plain), (x,), (v,))[1])
+
+
 def _readme() -> str:
     with open(README, encoding="utf-8") as handle:
         return handle.read()
