@@ -14,6 +14,7 @@ whose state the snapshot watches (CKG106, CKG110, CKG112, CKG115, CKG117), by
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import itertools
 import types
@@ -143,7 +144,7 @@ def _method_attribute_names(cls: type, function: types.FunctionType) -> tuple:
             if (getattr(klass, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
                 members.update(vars(klass))
         names: set = set()
-        todo = [function, members.get("__call__")]
+        todo = [function, members.get("__call__") if _uses_itself(function.__code__) else None]
         done: set = set()
         while todo:
             value = todo.pop()
@@ -160,6 +161,30 @@ def _method_attribute_names(cls: type, function: types.FunctionType) -> tuple:
             _method_names.clear()
         _method_names[key] = known
     return known
+
+
+#: what may follow the load of ``self`` where only its attributes are read or written
+_ATTRIBUTE_USES = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR", "COPY", "DUP_TOP", "LOAD_SUPER_ATTR"})
+
+
+def _uses_itself(code: types.CodeType) -> bool:
+    """Whether a method's code uses its ``self`` other than through an attribute (``self(h)``, ``helper(self)``):
+    then what ``__call__`` reads is the block's too."""
+    if not code.co_argcount:
+        return False
+    itself = code.co_varnames[0]
+    instructions = list(dis.get_instructions(code))
+    for at, instruction in enumerate(instructions):
+        if not instruction.opname.startswith("LOAD_FAST"):
+            continue
+        loaded = instruction.argval
+        if loaded == itself:
+            following = instructions[at + 1].opname if at + 1 < len(instructions) else ""
+            if following not in _ATTRIBUTE_USES:
+                return True
+        elif isinstance(loaded, tuple) and itself in loaded:  # 3.13's LOAD_FAST_LOAD_FAST: two locals at once
+            return True
+    return False
 
 
 def _code_names(code: types.CodeType) -> set:
