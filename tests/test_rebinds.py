@@ -487,10 +487,11 @@ def test_the_composable_recompute_reads_globals_as_the_call_found_them(policy, w
 
 class _Stepper:
     def __init__(self, weight):
-        self.weight, self.calls = weight, 0
+        self.weight, self.calls, self.log = weight, 0, []
 
     def __call__(self, h):
         self.calls += 1
+        self.log.append(self.calls)  # a log its forward keeps (CKG112's: appended once)
         return torch.tanh(h @ self.weight) * self.calls
 
     def run(self, h):
@@ -509,7 +510,7 @@ def _attribute_program(which: str, ckpt, shape: str) -> list:
     if which == "a weight re-bound after the call":
         stepper.weight = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     y.pow(2).sum().backward()
-    return [w.grad, x.grad, torch.tensor(float(stepper.calls))]
+    return [w.grad, x.grad, torch.tensor(float(stepper.calls)), torch.tensor(float(len(stepper.log)))]
 
 
 @pytest.mark.parametrize("shape", list(ATTRIBUTE_SHAPES))
@@ -559,7 +560,7 @@ def _composable_attribute_program(which: str, transform: str, ckpt, shape: str) 
         got = torch.func.grad(loss)(x)
     else:  # vmap(grad)
         got = torch.func.vmap(torch.func.grad(loss))(x.unsqueeze(1).expand(4, 2, 3).clone())
-    return [got, torch.tensor(float(stepper.calls))]
+    return [got, torch.tensor(float(stepper.calls)), torch.tensor(float(len(stepper.log)))]
 
 
 @pytest.mark.parametrize("shape", list(ATTRIBUTE_SHAPES))

@@ -91,7 +91,7 @@ def closure_cells(function: types.FunctionType, with_globals: bool = True, helpe
     return found
 
 
-def object_slots(block: object) -> list:
+def object_slots(block: object, with_globals: bool = True) -> list:
     """``[(slot, what)]`` for a block that is a plain object's method or a callable object (not a module):
     its function's cells and globals (:func:`closure_cells`), then each attribute of the object its code
     names that the object holds (an :class:`AttributeSlot` each: ``self.calls += 1``, ``self.scale``);
@@ -120,10 +120,12 @@ def object_slots(block: object) -> list:
     except (AttributeError, TypeError):  # __slots__: nothing to read by name here
         attributes = None
     if type(attributes) is not dict:
-        return closure_cells(function)
+        return closure_cells(function, with_globals)
     named = [(name, attributes[name]) for name in _method_attribute_names(type(instance), function) if name in attributes]
     # a function the object holds and its code names (``self.step_fn(h)``) is followed as a closure's helper is
-    found = closure_cells(function, helpers=tuple(value for _, value in named if type(value) is types.FunctionType))
+    found = closure_cells(
+        function, with_globals, helpers=tuple(value for _, value in named if type(value) is types.FunctionType)
+    )
     label = type(instance).__name__
     for name, value in named:
         if not isinstance(value, (Module, *_CODE)):

@@ -22,7 +22,7 @@ import torch
 
 from . import block_reads as _reads
 from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
-from .closures import closure_cells
+from .closures import closure_cells, object_slots
 from .modules import _block_module, _structure, module_containers_seen, module_generators_seen, snapshot_roots
 
 
@@ -104,6 +104,8 @@ def _argument_roots(
                 values.append(("{}", what, cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
+    elif not isinstance(function, Module):  # a plain object's method, a callable object: its attributes
+        values += [("{}", what, slot.cell_contents) for slot, what in object_slots(function, with_globals=False)]
     for label, which, value in values:
         if type(value) in _ATOMS:
             continue
@@ -309,7 +311,10 @@ def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict
     after one look at each input (and one flag: has any block held a generator?).
     """
     kind = type(function)
-    if not keywords and kind is not functools.partial and (kind is not types.FunctionType or not function.__closure__):
+    if not keywords and (  # a module, its bound method, a function without cells: only what it is given
+        isinstance(function, Module) or (kind is types.FunctionType and not function.__closure__)
+        or (kind is types.MethodType and isinstance(function.__self__, Module))
+    ):
         for value in inputs:
             if type(value) not in _ATOMS:
                 break
