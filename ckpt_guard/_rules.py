@@ -1233,7 +1233,7 @@ _DRIFT_RULES = [
     ),
     Rule(
         id="CKG110",
-        title="a tensor the checkpointed block reads was re-bound before the recompute (not updated in place)",
+        title="a tensor or value the checkpointed block reads was re-bound before the recompute (not updated in place)",
         stage="recompute",
         # the probe takes the inner gradient with autograd.grad, which the reentrant variant refuses
         variants=(NON_REENTRANT,),
