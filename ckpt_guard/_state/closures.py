@@ -177,15 +177,18 @@ def _uses_itself(code: types.CodeType) -> bool:
     itself = code.co_varnames[0]
     instructions = list(dis.get_instructions(code))
     for at, instruction in enumerate(instructions):
-        if not instruction.opname.startswith("LOAD_FAST"):
+        name = instruction.opname
+        if "LOAD_FAST" not in name:
             continue
         loaded = instruction.argval
+        if isinstance(loaded, tuple):  # 3.13: LOAD_FAST_LOAD_FAST loads both, STORE_FAST_LOAD_FAST the second
+            if name.startswith("LOAD_FAST") and loaded[0] == itself:
+                return True  # below the other on the stack: an operand of what follows
+            loaded = loaded[-1]
         if loaded == itself:
             following = instructions[at + 1].opname if at + 1 < len(instructions) else ""
             if following not in _ATTRIBUTE_USES:
                 return True
-        elif isinstance(loaded, tuple) and itself in loaded:  # 3.13's LOAD_FAST_LOAD_FAST: two locals at once
-            return True
     return False
 
 
