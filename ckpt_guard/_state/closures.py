@@ -155,7 +155,7 @@ def _method_attribute_names(cls: type, function: types.FunctionType) -> tuple:
             if code is None or id(code) in done:
                 continue
             done.add(id(code))
-            found = _code_names(code)
+            found = code_names(code)
             names |= found
             todo += [members[name] for name in found if name in members]
         known = tuple(sorted(names))
@@ -192,11 +192,12 @@ def _uses_itself(code: types.CodeType) -> bool:
     return False
 
 
-def _code_names(code: types.CodeType) -> set:
+def code_names(code: types.CodeType) -> set:
+    """The names ``code`` and its nested code name (attributes, globals, methods): ``co_names``, deeply."""
     names = set(code.co_names)
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
-            names |= _code_names(constant)
+            names |= code_names(constant)
     return names
 
 

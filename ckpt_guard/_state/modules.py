@@ -22,7 +22,7 @@ import torch
 
 from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents
-from .closures import block_slots, closure_cells, object_slots, reached_modules
+from .closures import block_slots, closure_cells, code_names, object_slots, reached_modules
 
 
 # --------------------------------------------------------------------------
@@ -757,17 +757,9 @@ def _read_names(cls: type) -> tuple:
                     function = value.fget
                 code = getattr(function, "__code__", None)
                 if code is not None:
-                    names.update(_code_names(code))
+                    names.update(code_names(code))
         known = _read_names_of[cls] = tuple(sorted(names - _MODULE_INTERNALS))
     return known
-
-
-def _code_names(code: types.CodeType) -> set:
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names |= _code_names(constant)
-    return names
 
 
 def _watched(value: object) -> bool:
