@@ -417,24 +417,32 @@ GLOBAL_ENTRIES = {
 @pytest.mark.parametrize("entry", list(GLOBAL_ENTRIES))
 @pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
 def test_a_global_re_bound_before_the_recompute_is_caught(which, entry, shape):
+    named = f"the global {'GLOBAL_W' if 'weight' in which else 'GLOBAL_CALLS'!r} of module"
+    _caught_then_repaired(_global_program, which, entry, shape, named)
+
+
+def _caught_then_repaired(program, which: str, entry: str, shape: str, named: str) -> None:
+    """CKG110 on ``program(which, ckpt, shape)``: torch alone is silently wrong (w gets no gradient, or
+    the count is off), strict raises naming what was re-bound, warn does exactly what torch does, and
+    fallback gives the uncheckpointed program's numbers."""
     if not HOLDS:
         pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
     ckpt = GLOBAL_ENTRIES[entry]
     zeros = lambda got: [torch.zeros(()) if g is None else g for g in got]  # noqa: E731 - reentrant: no w.grad
-    reference = zeros(_global_program(which, lambda f, *a: f(*a), shape))
+    reference = zeros(program(which, lambda f, *a: f(*a), shape))
     ckpt_guard.uninstall()
-    if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong (w gets no gradient, or the count is off)
-        raw = zeros(_global_program(which, ckpt, shape))
+    if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong
+        raw = zeros(program(which, ckpt, shape))
         assert any(r.shape != g.shape or not torch.allclose(r, g) for r, g in zip(raw, reference))
     with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
-        _under("strict", _global_program, which, ckpt, shape)
-    assert f"the global {'GLOBAL_W' if 'weight' in which else 'GLOBAL_CALLS'!r} of module" in str(info.value)
+        _under("strict", program, which, ckpt, shape)
+    assert named in str(info.value)
     if entry != "ckpt_guard.checkpoint":
-        warned, messages = _under("warn", _global_program, which, ckpt, shape)
+        warned, messages = _under("warn", program, which, ckpt, shape)
         assert {m.rule.id for m in messages} == {"CKG110"}
         for w, r in zip(zeros(warned), raw):
             assert torch.equal(w, r)  # warn: exactly what torch does
-    repaired, _ = _under("fallback", _global_program, which, ckpt, shape)
+    repaired, _ = _under("fallback", program, which, ckpt, shape)
     for g, r in zip(zeros(repaired), reference):
         torch.testing.assert_close(g, r)
 
@@ -517,27 +525,10 @@ def _attribute_program(which: str, ckpt, shape: str) -> list:
 @pytest.mark.parametrize("entry", list(GLOBAL_ENTRIES))
 @pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
 def test_a_plain_objects_attribute_re_bound_before_the_recompute_is_caught(which, entry, shape):
-    if not HOLDS:
-        pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
-    ckpt = GLOBAL_ENTRIES[entry]
-    zeros = lambda got: [torch.zeros(()) if g is None else g for g in got]  # noqa: E731 - reentrant: no w.grad
-    reference = zeros(_attribute_program(which, lambda f, *a: f(*a), shape))
-    ckpt_guard.uninstall()
-    if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong
-        raw = zeros(_attribute_program(which, ckpt, shape))
-        assert any(r.shape != g.shape or not torch.allclose(r, g) for r, g in zip(raw, reference))
-    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
-        _under("strict", _attribute_program, which, ckpt, shape)
     name = "weight" if "weight" in which else "calls"
-    assert f"the attribute {name!r} of the _Stepper object the block runs re-bound" in str(info.value)
-    if entry != "ckpt_guard.checkpoint":
-        warned, messages = _under("warn", _attribute_program, which, ckpt, shape)
-        assert {m.rule.id for m in messages} == {"CKG110"}
-        for w, r in zip(zeros(warned), raw):
-            assert torch.equal(w, r)  # warn: exactly what torch does
-    repaired, _ = _under("fallback", _attribute_program, which, ckpt, shape)
-    for g, r in zip(zeros(repaired), reference):
-        torch.testing.assert_close(g, r)
+    _caught_then_repaired(
+        _attribute_program, which, entry, shape, f"the attribute {name!r} of the _Stepper object the block runs re-bound"
+    )
 
 
 def _composable_attribute_program(which: str, transform: str, ckpt, shape: str) -> list:
