@@ -157,10 +157,10 @@ def checkpoint(
         from ._composable import compiled as _compiled
 
         return _compiled.traced_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
-    from ._composable.entry import saved_tensors_hooks_option
+    from ._entry import saved_tensors_hooks_option
 
     kwargs.update(saved_tensors_hooks_option(kwargs.pop("respect_saved_tensors_hooks", None)))
-    from ._composable import entry as _entry
+    from . import _entry
 
     return _entry.public_checkpoint(function, args, kwargs, context_fn, preserve_rng_state)
 

@@ -15,10 +15,10 @@ from ._rules import NON_REENTRANT, rules_on
 TORCH = _versions.installed()
 CALL_RULES_HERE = rules_on(TORCH, CALL_RULES)
 # per drift rule (DRIFT_RULES order): does its claim hold on this torch?
-_DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
+DRIFT_HOLDS = tuple(rule.holds_on(TORCH) for rule in DRIFT_RULES)
 # per drift rule: is it about the non-reentrant variant too? (CKG114 is not: a non-reentrant
 # recompute started inside a reentrant backward is no business of it)
-_DRIFT_NON_REENTRANT = tuple(NON_REENTRANT in rule.variants for rule in DRIFT_RULES)
+DRIFT_NON_REENTRANT = tuple(NON_REENTRANT in rule.variants for rule in DRIFT_RULES)
 
 # What a call-time decision asks the patch point to do.
 PROCEED = "proceed"  # run torch's checkpoint as asked

@@ -22,7 +22,7 @@ import sys
 from dataclasses import replace
 from functools import partial as _partial
 from types import FrameType
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch as _torch
 import torch.fx._symbolic_trace as _fx_symbolic_trace
@@ -31,14 +31,14 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _state, _versions
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
 from ._drift import (
-    _BINDINGS_INDEX, _HOOKS_INDEX, _anticipated_rule, _capture_without_mode_records, _checked_call, _device_watched_call,
-    _differs, _is_grad_enabled, _reads_target, anticipate, anticipate_own_bindings, capture, report_drift,
+    BINDINGS_INDEX, HOOKS_INDEX, anticipated_rule, capture_without_mode_records, checked_call, device_watched_call,
+    reads_target, anticipate, anticipate_own_bindings, capture, report_drift,
     risk_visible,
 )
 from ._exceptions import CheckpointCompositionError
 from ._layouts import kept_inputs
 from ._messages import (
-    _CACHE_LIMIT, _call_case_remedy, _case_symptom, _is_library_code, _library_codes, _warn, _with_refusal,
+    CACHE_LIMIT, call_case_remedy, case_symptom, is_library_code, library_codes, emit_warning, with_refusal,
     build_message, describe_checkpointed, describe_site, describe_variant, use_reentrant_defaulted,
     user_frame, your_code,
 )
@@ -85,7 +85,7 @@ def _deciding(firing: list) -> tuple:
     return max(firing, key=lambda rp: _SEVERITY[rp[1]])
 
 
-def _where(function: Any, transforms: tuple, site_frame: Optional[FrameType]) -> dict:
+def where_lines(function: Any, transforms: tuple, site_frame: Optional[FrameType]) -> dict:
     """The message lines that say where this happens."""
     return {
         "transforms": _state.describe_transforms(transforms),
@@ -119,12 +119,12 @@ def decide_call(
          "ckpt_guard.checkpoint, run as torch's non-reentrant checkpoint (see the next line)") if refused
         else describe_variant(reentrant, use_reentrant_defaulted() if reentrant else False)
     )
-    where = _where(function, state.transforms, site_frame)
+    where = where_lines(function, state.transforms, site_frame)
 
     also = [other.id for other, _ in firing if other is not rule]
-    where["remedy"] = _call_case_remedy(rule, state, refused)
+    where["remedy"] = call_case_remedy(rule, state, refused)
     if policy == "strict":
-        message = _with_refusal(build_message(
+        message = with_refusal(build_message(
             rule, site=site, variant=variant, policy=policy, source=config.source,
             action=(
                 "raised after the block ran once, plainly, which the proof needed (policy strict)" if ran
@@ -144,13 +144,13 @@ def decide_call(
         outcome = NO_CHECKPOINT
     # One call, one decision, one warning: the deciding rule's, naming the others;
     # every rule that fired records what actually ran.
-    event, action = _OUTCOME_TEXT[outcome]
+    event, action = OUTCOME_TEXT[outcome]
     if ran:
-        outcome, event = NO_CHECKPOINT, _OUTCOME_TEXT[NO_CHECKPOINT][0]
+        outcome, event = NO_CHECKPOINT, OUTCOME_TEXT[NO_CHECKPOINT][0]
         action = f"ran it once without checkpointing (policy {policy}): that run is the result"
     for other, other_policy in firing:
         _events.emit(other.id, other_policy, event, site, "call")
-    _warn(_with_refusal(build_message(
+    emit_warning(with_refusal(build_message(
         rule, site=site, variant=variant, policy=policy, source=config.source, action=action, also=also,
         worked=policy == "fallback", **where,
     ), refused), rule, once=action if policy == "fallback" else "")
@@ -166,12 +166,12 @@ def _non_reentrant_will_do(state: _state.CallState, config: _config.Config, func
     return (
         state.reentrant
         and _nothing_fires(replace(state, reentrant=False))
-        and _anticipated_rule(config, capture(function)) is None
+        and anticipated_rule(config, capture(function)) is None
     )
 
 
 # outcome -> (event action, message action)
-_OUTCOME_TEXT = {
+OUTCOME_TEXT = {
     PROCEED: ("warned", "ran torch's checkpoint as asked (policy warn)"),
     NON_REENTRANT_INSTEAD: ("fallback: use_reentrant=False", "ran it with use_reentrant=False instead (policy fallback)"),
     NO_CHECKPOINT: ("fallback: no checkpoint", "ran it without checkpointing instead (policy fallback)"),
@@ -192,11 +192,11 @@ def _walk_to_forward_site() -> tuple:
     """``(code, f_lasti)`` of the innermost user frame above ``prepare_call``; learns it."""
     global _site_depth
     depth, frame = 1, sys._getframe(2)  # 2: prepare_call's caller
-    while frame is not None and _is_library_code(frame.f_code):
+    while frame is not None and is_library_code(frame.f_code):
         frame, depth = frame.f_back, depth + 1
     if frame is None:
         return (None, 0)
-    if len(_known_sites) >= _CACHE_LIMIT:  # bounded: a program has few checkpoint call sites
+    if len(_known_sites) >= CACHE_LIMIT:  # bounded: a program has few checkpoint call sites
         _known_sites.clear()
     _known_sites[(depth, id(frame.f_code), frame.f_lasti)] = frame.f_code
     _site_depth = depth
@@ -208,8 +208,9 @@ STEP_ASIDE = "step-aside"  # run torch's checkpoint exactly as asked, unguarded
 _getframe = sys._getframe
 _torch_compiler = _torch.compiler
 _peek_interpreter_stack = _state.peek_interpreter_stack
-_len_dispatch_stack = _state._len_dispatch_stack
-_len_function_stack = _state._len_function_stack
+_differs, _is_grad_enabled = _state.differs, _state.is_grad_enabled
+len_dispatch_stack = _state.len_dispatch_stack
+len_function_stack = _state.len_function_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _rrelu_training = _state.rrelu_training
@@ -285,7 +286,7 @@ def prepare_call(
     # proxy modes on this thread's dispatch stack, so another thread's
     # compilation does not switch the guard off here.
     config = _config.current()
-    if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
+    if not config.active or (_torch_compiler._is_compiling_flag and len_dispatch_stack()):
         if config.active and _peek_interpreter_stack() is not None and not reentrant:
             return _compiling_under_a_transform(config, function)
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
@@ -298,13 +299,13 @@ def prepare_call(
     grad = _is_grad_enabled()
     may_anticipate = config.may_fall_back
     if grad:  # what a recompute must find again (it first walks a new block, and notes an RReLU in it)
-        reads = _reads_target(function, args[first_input:])
+        reads = reads_target(function, args[first_input:])
         forward_state = capture(reads, args[first_input:], kwargs)
     # Inlined call_is_quiet for the usual non-reentrant call with grad on (CKG009 looks there too, ...
     rrelu = not reentrant and grad and _rrelu_seen[0] and _rrelu_training(function, early_stop)
     # ... and CKG011 (Opacus' grad-sample hooks), looked for only in a block whose snapshot holds hooks
-    hooked = not reentrant and grad and bool(forward_state[_HOOKS_INDEX]) and _grad_sample_hooked(
-        function, forward_state[_HOOKS_INDEX]
+    hooked = not reentrant and grad and bool(forward_state[HOOKS_INDEX]) and _grad_sample_hooked(
+        function, forward_state[HOOKS_INDEX]
     )
     no_early_stop = False
     if (
@@ -331,7 +332,7 @@ def prepare_call(
     if may_anticipate and risk_visible(forward_state) and not _no_gradient_can_follow(function, args[first_input:]):
         if anticipate(config, forward_state, reentrant, reads, modes_managed) != PROCEED:
             return NO_CHECKPOINT
-    bindings = forward_state[_BINDINGS_INDEX]
+    bindings = forward_state[BINDINGS_INDEX]
     own_bindings = type(bindings) in _MAY_NEED_REFRESH and _needs_refresh(bindings)
     if own_bindings and may_anticipate and anticipate_own_bindings(config, forward_state, reentrant, reads) != PROCEED:
         return NO_CHECKPOINT
@@ -356,9 +357,9 @@ def prepare_call(
         _BUFFERS_RULE.id
     ) != "off" else None
     guarded = _partial(
-        _checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested, kept
+        checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested, kept
     )
-    if reentrant and _len_function_stack():
+    if reentrant and len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
     # set on the handle the patch point gets (a device watch above wraps the one prepared)
     if nested is not None:
@@ -471,7 +472,7 @@ def _input_versions(inputs: tuple) -> list:
     The tensors are held (torch's frame holds them too, until the backward), so that a write
     into one after the forward is seen even where the caller dropped its last name for it.
     """
-    if not _len_function_stack():
+    if not len_function_stack():
         return [(i, t, t._version) for i, t in enumerate(inputs) if type(t) is _Tensor and not _is_wrapped(t)]
     with _modes_off():  # a version read is a torch function: no mode of the user's sees the guard's
         return [(i, t, t._version) for i, t in enumerate(inputs) if type(t) is _Tensor and not _is_wrapped(t)]
@@ -572,7 +573,7 @@ def _watch_device(guarded: Any, function: Any, config: _config.Config, forward_s
     device = _state.accelerator_default_device()
     if device is None or config.policy_for(_DEVICE_RULE.id) == "off":
         return guarded
-    return _partial(_device_watched_call, guarded, device, function, config, forward_state, site, [False])
+    return _partial(device_watched_call, guarded, device, function, config, forward_state, site, [False])
 
 
 def _is_user_context_fn(context_fn: Any) -> bool:
@@ -587,7 +588,7 @@ def _is_user_context_fn(context_fn: Any) -> bool:
 def clear_caches() -> None:
     """Forget the call sites and code objects seen (``uninstall()``: the guard holds nothing)."""
     global _site_depth
-    _library_codes.clear()
+    library_codes.clear()
     _known_sites.clear()
     _site_depth = 1
     _state.clear_caches()
@@ -637,17 +638,16 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
                 defaulted=use_reentrant is None,  # the entry runs before torch warns (and marks the frame)
             )
             if chosen is not None:
-                built, announce = chosen
-                try:
-                    result = _composable.run(built)
-                except _composable.Refused as refused:
-                    announce(refused.reason)  # the block reads what the recompute could not lift
-                    if refused.ran:  # the plain run is the result: never run the block twice
-                        return refused.output
-                    with forward_context_of(context_fn) or contextlib.nullcontext():
-                        return function(*args, **kwargs)
-                announce(built.unpacked)  # None: packed into the recompute
-                return result
+                built, announce, site_frame = chosen
+                came = run_composable(built, reentrant, config, site_frame)
+                if came.refusal is None:
+                    announce(built.unpacked)  # None: packed into the recompute
+                    return came.output
+                announce(came.refusal)  # the block reads what the recompute could not lift
+                if came.ran:  # the plain run is the result: never run the block twice
+                    return came.output
+                with forward_context_of(context_fn) or contextlib.nullcontext():
+                    return function(*args, **kwargs)
     return original()
 
 
@@ -683,7 +683,35 @@ def _check_composable_recompute(
     return []
 
 
-def _watch_composable_recompute(built: Any, reentrant: bool, config: _config.Config, site_frame: Any) -> None:
+class ComposableRun(NamedTuple):
+    """What one call through the composable recompute came to (see :func:`run_composable`)."""
+
+    #: what the call returns where ``ran``: the recompute's packed outputs, or the plain run's
+    output: Any
+    #: None where the outputs were packed into the recompute; else why it could not take the call
+    #: (a ``_composable.Reason``: the run-time proof's, found during the plain run, or the plan's)
+    refusal: Any
+    #: whether the block ran, once, as the caller wrote it: then ``output`` is the call's result,
+    #: and the block must not run again
+    ran: bool
+
+
+def run_composable(built: Any, reentrant: bool, config: _config.Config, site_frame: Any) -> ComposableRun:
+    """The one door into the composable recompute, for both entries: ``ckpt_guard.checkpoint`` (``_entry``)
+    and fallback's (:func:`checkpoint_entry`).  Each keeps only its words for what came of it.
+
+    ``built`` is ``_composable.plan``'s plan for the call.  Before each of its recomputes the drift it
+    cannot undo is checked (:func:`watch_composable_recompute`); then the block runs once, plainly,
+    under the run-time proof, and its outputs are packed, or the proof refuses the call.
+    """
+    watch_composable_recompute(built, reentrant, config, site_frame)
+    try:
+        return ComposableRun(_composable.run(built), None, True)
+    except _composable.Refused as refused:  # the run-time proof: decided by the caller, as a plan refusal
+        return ComposableRun(refused.output, refused.reason, refused.ran)
+
+
+def watch_composable_recompute(built: Any, reentrant: bool, config: _config.Config, site_frame: Any) -> None:
     """Before each recompute of ``built``: the drift it cannot undo (see ``_COMPOSABLE_DRIFT``).
 
     Watched through the plan's own block (its template), which reaches the
@@ -710,7 +738,7 @@ def composable_instead(
     them) nor where the recompute cannot be correct (``_composable.plan``).
     When chosen, this call's one warning and its events are emitted here.
     """
-    if (_torch_compiler._is_compiling_flag and _len_dispatch_stack()) or _fx_tracing():
+    if (_torch_compiler._is_compiling_flag and len_dispatch_stack()) or _fx_tracing():
         return None
     grad = _is_grad_enabled()
     inputs = args if reentrant else ()
@@ -726,7 +754,7 @@ def composable_instead(
         if not grad or (state is not None and applying_rules(state)) or _no_gradient_can_follow(function, args):
             return None  # nothing will be recomputed, or the user switched off the rule for this
         # only swaps and transforms matter here, not a mode's record
-        rule = _anticipated_rule(config, _capture_without_mode_records(_reads_target(function, args)))
+        rule = anticipated_rule(config, capture_without_mode_records(reads_target(function, args)))
         if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
             return None
         anticipated = True
@@ -734,7 +762,6 @@ def composable_instead(
     if isinstance(built, str):
         return None  # torch's checkpoint runs next; fallback runs the block plainly and says so
     site_frame, _ = user_frame(sys._getframe(1))
-    _watch_composable_recompute(built, reentrant, config, site_frame)
     site = describe_site(site_frame)
     transforms = state.transforms if state is not None else _state.transform_stack()
     if defaulted is None:  # ``defaulted``: whether use_reentrant was not passed, where the caller knows
@@ -766,11 +793,11 @@ def composable_instead(
         for fired, fired_policy in firing or [(rule, "fallback")]:
             _events.emit(fired.id, fired_policy, event, site, "call")
         # what torch does when the recompute finds none of it (.backward() outside the transform)
-        symptom = _case_symptom(rule, transforms, ()) if rule.read == "transform_stack" else ""
-        _warn(build_message(
+        symptom = case_symptom(rule, transforms, ()) if rule.read == "transform_stack" else ""
+        emit_warning(build_message(
             rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
             anticipated=anticipated, also=also, worked=True, symptom=symptom, saving_kept=refusal is None,
-            **_where(function, transforms, site_frame),
+            **where_lines(function, transforms, site_frame),
         ), rule, once=action)
 
-    return built, announce
+    return built, announce, site_frame

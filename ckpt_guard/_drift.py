@@ -2,7 +2,7 @@
 
 The forward's capture (:data:`capture`: one generated tuple expression, one value per
 drift rule in ``DRIFT_RULES`` order) is compared with the same capture when the
-recompute starts (``_checked_call``).  A change the block can see is reported under the
+recompute starts (``checked_call``).  A change the block can see is reported under the
 policy in force (:func:`report_drift`), or, under fallback, replayed: the recompute runs
 in the forward's world (:func:`_replay`), the user's current state put back after.
 Drift whose risk is visible already at call time (a swap, a user mode, a transform) is
@@ -27,10 +27,10 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _files, _state
 from ._composable import binding as _rebind
 from ._composable.function import unbatched_vmaps_set_aside as _unbatched_vmaps_set_aside
-from ._actions import NO_CHECKPOINT, PROCEED, _DRIFT_HOLDS, _DRIFT_NON_REENTRANT
+from ._actions import NO_CHECKPOINT, PROCEED, DRIFT_HOLDS, DRIFT_NON_REENTRANT
 from ._exceptions import CheckpointCompositionError
 from ._messages import (
-    _case_fallback, _case_remedy, _case_symptom, _describe_forward_site, _warn, build_message,
+    case_fallback, case_remedy, case_symptom, describe_forward_site, emit_warning, build_message,
     describe_checkpointed, describe_site, describe_variant, user_frame, your_code,
 )
 from ._rules import DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
@@ -117,8 +117,8 @@ _ANTICIPATED_INDICES = tuple(
 )
 _TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
 _SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "swapped_reads")
-_BINDINGS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_bindings")
-_HOOKS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_hooks")
+BINDINGS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_bindings")
+HOOKS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_hooks")
 _CONTENTS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "argument_contents")
 _CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
 _GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")
@@ -134,7 +134,7 @@ _MODE_INDICES = frozenset(
 TORCH_RECOMPUTES = [0]
 
 
-def _reads_target(function: Any, inputs: tuple) -> Any:
+def reads_target(function: Any, inputs: tuple) -> Any:
     """What the drift rules look at: ``function``, and the modules passed to it while a swap is active.
 
     ``checkpoint(run_layer, layer, h)`` under a ``functional_call``: the
@@ -150,7 +150,7 @@ _Module = _torch.nn.Module
 _swaps_active = _state.swapped_reads.active
 
 
-def _checked_call(
+def checked_call(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
     modes_managed: bool, drew: Optional[list], reads: Any, nested: Optional[list], kept: Optional[list], /,
     *args: Any, **kwargs: Any,
@@ -167,7 +167,7 @@ def _checked_call(
     """
     if not reentrant or _is_grad_enabled():
         TORCH_RECOMPUTES[0] += 1
-        state = _capture_without_mode_records(reads, args, kwargs)  # the call's records are what it compares with
+        state = capture_without_mode_records(reads, args, kwargs)  # the call's records are what it compares with
         replays: Any = ()
         if _differs(state, forward_state):
             replays = report_drift(reads, reentrant, config, forward_state, state, site, modes_managed)
@@ -255,9 +255,9 @@ def _report_buffer_writes(
 ) -> None:
     written = _state.written_during(kept, before)
     if written:
-        forward_site_text = _describe_forward_site(site)
+        forward_site_text = describe_forward_site(site)
         site_frame, _ = user_frame(sys._getframe(1))
-        _report_at_recompute(
+        report_at_recompute(
             _BUFFERS_RULE, config.policy_for(_BUFFERS_RULE.id), forward_site_text,
             site=describe_site(site_frame), forward_site=forward_site_text,
             checkpointed=describe_checkpointed(function),
@@ -267,7 +267,7 @@ def _report_buffer_writes(
         )
 
 
-def _capture_without_mode_records(reads: Any, args: tuple = (), kwargs: Optional[dict] = None) -> tuple:
+def capture_without_mode_records(reads: Any, args: tuple = (), kwargs: Optional[dict] = None) -> tuple:
     """:func:`capture`, taking no record of the user's replayable modes: only the call takes one (a
     record copies the mode's tensors); the recompute compares with the call's."""
     _state.RECORDING_MODES.on = False
@@ -307,8 +307,8 @@ def _reentrant_forward_keeping_the_cache(
         return output
     modes = [forward_state[i] for i in _MODE_INDICES]
     if _state.updated_in_place(versions) or _state.modes_updated_in_place(modes):
-        forward_site_text = _describe_forward_site(site)
-        _report_at_recompute(
+        forward_site_text = describe_forward_site(site)
+        report_at_recompute(
             _CONTENTS_RULE, "fallback", forward_site_text, when="after the reentrant forward",
             site=forward_site_text, forward_site=forward_site_text, checkpointed=describe_checkpointed(function),
             transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
@@ -374,8 +374,8 @@ def _watch_output(
         return output
     policy = config.policy_for(_NESTED_RULE.id)
     if not _is_grad_enabled():  # the forward; the recompute reports nothing twice
-        forward_site_text = _describe_forward_site(site)
-        _report_at_recompute(
+        forward_site_text = describe_forward_site(site)
+        report_at_recompute(
             _NESTED_RULE, policy, forward_site_text,
             repaired="handed the Function its outputs flat, rebuilt after (policy fallback)" if policy == "fallback" else "",
             site=forward_site_text, checkpointed=describe_checkpointed(function),
@@ -404,7 +404,7 @@ def rebuild_nested_output(outputs: Any, nested: list) -> Any:
     return _dataclasses.replace(dataclass, **rebuilt) if dataclass is not None else rebuilt
 
 
-def _device_watched_call(
+def device_watched_call(
     guarded: Any, device: Any, function: Any, config: _config.Config, forward_state: tuple, site: tuple,
     made: list, /, *args: Any, **kwargs: Any,
 ) -> Any:
@@ -429,9 +429,9 @@ def _device_watched_call(
 
 def report_lost_device(function: Any, config: _config.Config, forward_state: tuple, site: tuple, device: Any) -> None:
     """CKG109: the forward made tensors on the default device ``device``; the recompute would not."""
-    forward_site_text = _describe_forward_site(site)
+    forward_site_text = describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
-    _report_at_recompute(
+    report_at_recompute(
         _DEVICE_RULE, config.policy_for(_DEVICE_RULE.id), forward_site_text,
         checkpointed=describe_checkpointed(function),
         repaired=f"recomputing inside torch.device({str(device)!r}), the forward's device context (policy fallback)",
@@ -481,8 +481,8 @@ def _quiet_replays(
         if (
             was
             and (only is None or rule.read in only)
-            and _DRIFT_HOLDS[index]
-            and (reentrant or _DRIFT_NON_REENTRANT[index])
+            and DRIFT_HOLDS[index]
+            and (reentrant or DRIFT_NON_REENTRANT[index])
             and config.policy_for(rule.id) in ("strict", "fallback")
             and _differs(was, now)
             and values_only(was, now)
@@ -506,21 +506,21 @@ def report_drift(
         i for i, (was, now) in enumerate(zip(forward_state, state))
         if _differs(was, now)
         and (only is None or DRIFT_RULES[i].read in only)
-        and _DRIFT_HOLDS[i]
-        and (reentrant or _DRIFT_NON_REENTRANT[i])
+        and DRIFT_HOLDS[i]
+        and (reentrant or DRIFT_NON_REENTRANT[i])
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
     quiet = _quiet_replays(function, reentrant, config, forward_state, state, only)
     if quiet:
         changed = [index for index in changed if index not in quiet]
-    if _BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
+    if BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
         # a functional_call swap began or ended between the forward and now: the tensors it swapped
         # are re-bound too, and CKG101 (the swap) is the one cause to report, not also CKG110
-        changed.remove(_BINDINGS_INDEX)
+        changed.remove(BINDINGS_INDEX)
     if not changed:
         return list(quiet.values())
-    forward_site_text = _describe_forward_site(site)
+    forward_site_text = describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
     transforms = _state.describe_transforms(forward_state[_TRANSFORMS_INDEX])
     variant = describe_variant(reentrant, None)
@@ -530,16 +530,16 @@ def report_drift(
         describe_change = _DRIFT_CHANGES[index]
         policy = config.policy_for(rule.id)
         replay = _replay(rule, was, now, function, modes_managed, reentrant) if policy == "fallback" else None
-        _report_at_recompute(
+        report_at_recompute(
             rule, policy, forward_site_text,
             repaired=replay[1] if replay else "",
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
             change=_describe_change(describe_change, was, now, function, render),
-            remedy=_case_remedy(rule, was, now, repaired=bool(replay)),
-            fallback_text=_case_fallback(rule, was),
-            symptom=_case_symptom(rule, was, now),
+            remedy=case_remedy(rule, was, now, repaired=bool(replay)),
+            fallback_text=case_fallback(rule, was),
+            symptom=case_symptom(rule, was, now),
         )
         if replay:
             replays.append(replay[0])
@@ -583,7 +583,7 @@ def _replay(
             "state is put back after (policy fallback)"
         )
     if rule.read == "default_dtype":
-        return _composable.default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
+        return _composable.in_default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
     if rule.read == "module_training" and was is not None:
         modes = _state.retrained(was, function)
         if not modes:
@@ -695,9 +695,9 @@ def report_unpreserved_rng(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, site: tuple,
 ) -> None:
     """CKG107: the forward drew random numbers with ``preserve_rng_state=False``."""
-    forward_site_text = _describe_forward_site(site)
+    forward_site_text = describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
-    _report_at_recompute(
+    report_at_recompute(
         _RNG_RULE, config.policy_for(_RNG_RULE.id), forward_site_text, checkpointed=describe_checkpointed(function),
         repaired="recomputing with the forward's RNG state, which it preserved (policy fallback)",
         site=describe_site(site_frame), forward_site=forward_site_text,
@@ -707,7 +707,7 @@ def report_unpreserved_rng(
     )
 
 
-def _report_at_recompute(
+def report_at_recompute(
     rule: Rule, policy: str, forward_site_text: str, repaired: str = "", when: str = "before the recompute ran",
     **details: Any,
 ) -> None:
@@ -715,7 +715,7 @@ def _report_at_recompute(
     if policy == "warn" or (policy == "fallback" and repaired):
         action = repaired if policy == "fallback" else "recomputing as torch would (policy warn)"
         _events.emit(rule.id, policy, "warned" if policy == "warn" else "fallback: repaired", forward_site_text, rule.stage)
-        _warn(build_message(rule, policy=policy, action=action, worked=policy == "fallback", **details), rule,
+        emit_warning(build_message(rule, policy=policy, action=action, worked=policy == "fallback", **details), rule,
               once=action if policy == "fallback" else "")
         return
     unforeseen = ": this drift could not be foreseen at call time" if policy == "fallback" else ""
@@ -726,7 +726,7 @@ def _report_at_recompute(
     raise CheckpointCompositionError(message, rule)
 
 
-def _anticipated_rule(
+def anticipated_rule(
     config: _config.Config, forward_state: tuple, modes_managed: bool = False, reentrant: Optional[bool] = None,
 ) -> Optional[Rule]:
     """The drift rule under fallback whose risk is visible in this forward state, or None.
@@ -743,7 +743,7 @@ def _anticipated_rule(
     for index in _ANTICIPATED_INDICES:
         if (
             forward_state[index]
-            and _DRIFT_HOLDS[index]
+            and DRIFT_HOLDS[index]
             and config.policy_for(DRIFT_RULES[index].id) == "fallback"
             and (index not in _MODE_INDICES or not modes_replayable or not _replayable(forward_state[index]))
         ):
@@ -766,7 +766,7 @@ def anticipate(
     then): the recompute could run after it ended, and then nothing could
     repair the gradients.
     """
-    rule = _anticipated_rule(config, forward_state, modes_managed, reentrant)
+    rule = anticipated_rule(config, forward_state, modes_managed, reentrant)
     if rule is None:
         return PROCEED
     return _run_plainly_for(
@@ -777,7 +777,7 @@ def anticipate(
             "gradients (policy strict raises if it sees that happen at the recompute)"
         ),
         # what torch does when the recompute finds none of it (.backward() outside the transform)
-        symptom=_case_symptom(rule, forward_state[DRIFT_RULES.index(rule)], ()),
+        symptom=case_symptom(rule, forward_state[DRIFT_RULES.index(rule)], ()),
     )
 
 
@@ -790,8 +790,8 @@ def anticipate_own_bindings(config: _config.Config, forward_state: tuple, reentr
     not reach that box, so fallback could not repair it then.  Strict waits
     and raises only if the recompute finds them re-bound.
     """
-    rule = DRIFT_RULES[_BINDINGS_INDEX]
-    if not _DRIFT_HOLDS[_BINDINGS_INDEX] or config.policy_for(rule.id) != "fallback":
+    rule = DRIFT_RULES[BINDINGS_INDEX]
+    if not DRIFT_HOLDS[BINDINGS_INDEX] or config.policy_for(rule.id) != "fallback":
         return PROCEED
     return _run_plainly_for(
         rule, config, forward_state, reentrant, function, user_frame(sys._getframe(1))[0],
@@ -817,7 +817,7 @@ def _run_plainly_for(
         anticipated=True, worked=True, action=action, **extra,
     )
     _events.emit(rule.id, "fallback", "fallback: no checkpoint", site, "call")
-    _warn(message, rule, once="no checkpoint")
+    emit_warning(message, rule, once="no checkpoint")
     return NO_CHECKPOINT
 
 

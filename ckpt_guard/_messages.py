@@ -30,7 +30,7 @@ from . import _composable, _config, _files, _layouts, _state
 from ._actions import CALL_RULES_HERE, TORCH
 from ._exceptions import CheckpointCompositionWarning
 from ._rules import DRIFT_RULES
-from ._rules import _FIX_MOVE, _GRAD_TRANSFORMS, Rule
+from ._rules import FIX_MOVE, GRAD_TRANSFORMS, Rule
 from ._state import block_reads as _reads
 
 
@@ -51,18 +51,18 @@ _STDLIB_HELPERS = frozenset(
 # a code object hashes its constants, and dynamo's rewritten code can hold a dict
 # (unhashable).  The entry keeps its code object alive, so the id is not reused while
 # cached.  Bounded: generated code (exec, torch.fx) makes new code objects forever.
-_library_codes: dict = {}
-_CACHE_LIMIT = 1024
+library_codes: dict = {}
+CACHE_LIMIT = 1024
 
 
-def _is_library_code(code: Any) -> bool:
+def is_library_code(code: Any) -> bool:
     """Torch's, the guard's or a stdlib helper's code (cached per code object: hot path)."""
-    known = _library_codes.get(id(code))
+    known = library_codes.get(id(code))
     if known is None or known[0] is not code:
-        if len(_library_codes) >= _CACHE_LIMIT:
-            _library_codes.clear()
+        if len(library_codes) >= CACHE_LIMIT:
+            library_codes.clear()
         filename = code.co_filename
-        known = _library_codes[id(code)] = (
+        known = library_codes[id(code)] = (
             code, filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename in _STDLIB_HELPERS,
         )
     return known[1]
@@ -72,7 +72,7 @@ def user_frame(start: Optional[FrameType] = None) -> tuple[Optional[FrameType], 
     """The innermost frame outside torch and the guard, and its depth from ``start``."""
     frame = start if start is not None else sys._getframe(1)
     depth = 0
-    while frame is not None and _is_library_code(frame.f_code):
+    while frame is not None and is_library_code(frame.f_code):
         frame = frame.f_back
         depth += 1
     return frame, depth
@@ -91,7 +91,7 @@ _LIBRARY_DIRS = tuple(sorted({
 def your_code(frame: Optional[FrameType]) -> Optional[FrameType]:
     """The first frame from ``frame`` outward that is in none of the installed libraries."""
     while frame is not None and (
-        _is_library_code(frame.f_code) or os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
+        is_library_code(frame.f_code) or os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
     ):
         frame = frame.f_back
     return frame
@@ -348,7 +348,7 @@ def build_message(
     return "\n".join(lines)
 
 
-def _warn(message: str, rule: Rule, once: str = "") -> None:
+def emit_warning(message: str, rule: Rule, once: str = "") -> None:
     """Warn, attributing the warning to the user's line (as a normal warning would).
 
     ``once``: what fallback did about it; such a warning is given once per
@@ -375,20 +375,20 @@ def _warn(message: str, rule: Rule, once: str = "") -> None:
 _warned_once: set = set()
 
 
-def _call_case_remedy(rule: Rule, state: _state.CallState, refused: str) -> str:
+def call_case_remedy(rule: Rule, state: _state.CallState, refused: str) -> str:
     """A call-time remedy that fits this very case, where the rule's general one would not."""
     if rule.id == "CKG002" and "grad" in state.transform_names:
         # use_reentrant=False is refused under grad too (CKG001): the rule's first fix would lead there
         if refused:
-            return f"{_FIX_MOVE} (under {_GRAD_TRANSFORMS} neither variant of torch's checkpoint works, see CKG001)"
+            return f"{FIX_MOVE} (under {GRAD_TRANSFORMS} neither variant of torch's checkpoint works, see CKG001)"
         return (
             "checkpoint these blocks with ckpt_guard.checkpoint(block, *inputs): under "
-            f"{_GRAD_TRANSFORMS} use_reentrant=False is refused too (CKG001); or {_FIX_MOVE}"
+            f"{GRAD_TRANSFORMS} use_reentrant=False is refused too (CKG001); or {FIX_MOVE}"
         )
     return ""
 
 
-def _with_refusal(message: str, refused: str) -> str:
+def with_refusal(message: str, refused: str) -> str:
     """``message`` with why ckpt_guard.checkpoint's composable recompute refused (and no fix suggesting it)."""
     if not refused:
         return message
@@ -408,7 +408,7 @@ def _with_refusal(message: str, refused: str) -> str:
     return "\n".join(lines)
 
 
-def _describe_forward_site(site: tuple) -> str:
+def describe_forward_site(site: tuple) -> str:
     code, lasti = site
     if code is None:
         return "<unknown: no user frame on the forward's stack>"
@@ -421,7 +421,7 @@ def _describe_forward_site(site: tuple) -> str:
     return _format_site(code, line)
 
 
-def _case_symptom(rule: Rule, was: Any, now: Any) -> str:
+def case_symptom(rule: Rule, was: Any, now: Any) -> str:
     """What torch really does in this very case, where the rule's general words would not say it."""
     if rule.read in ("user_dispatch_modes", "user_function_modes") and _state.only_state_moved(was, now):
         return (
@@ -452,7 +452,7 @@ def _marked_modes_recorded(rule: Rule, was: Any) -> bool:
     )
 
 
-def _case_fallback(rule: Rule, was: Any) -> str:
+def case_fallback(rule: Rule, was: Any) -> str:
     """What fallback does in this very case, where the rule's general words say more than fits."""
     if _marked_modes_recorded(rule, was):
         return (
@@ -462,7 +462,7 @@ def _case_fallback(rule: Rule, was: Any) -> str:
     return ""
 
 
-def _case_remedy(rule: Rule, was: Any, now: Any, repaired: bool = False) -> str:
+def case_remedy(rule: Rule, was: Any, now: Any, repaired: bool = False) -> str:
     """A remedy that fits this very case, where the rule's general one would not (``repaired``:
     fallback already made the recompute right)."""
     if _marked_modes_recorded(rule, was):

@@ -312,8 +312,8 @@ _COMPOSABLE_FALLBACK = (
     "it; the memory saving is kept), else without checkpointing (correct, no memory saving for it)"
 )
 
-_FIX_MOVE = "move the checkpoint call outside the torch.func transform"
-_GRAD_TRANSFORMS = "grad, vjp, jacrev or hessian"  # the transforms that run as functorch's grad
+FIX_MOVE = "move the checkpoint call outside the torch.func transform"
+GRAD_TRANSFORMS = "grad, vjp, jacrev or hessian"  # the transforms that run as functorch's grad
 _FIX_NR = "pass use_reentrant=False"
 
 _CALL_RULES = [
@@ -336,7 +336,7 @@ _CALL_RULES = [
         symptom_kind="raises",
         raises_match=r"don't yet support saved tensor hooks",
         remedy=(
-            f"{_FIX_MOVE}, or drop checkpointing inside it"
+            f"{FIX_MOVE}, or drop checkpointing inside it"
         ),
         fallback=_COMPOSABLE_FALLBACK,
         refs=(
@@ -369,8 +369,8 @@ _CALL_RULES = [
         raises_match=r"must override the setup_context staticmethod",
         remedy=(
             f"{_FIX_NR} (on torch >= 2.12 it works under vmap, jvp, jacfwd and functionalize, "
-            f"see CKG007 for older torch; under {_GRAD_TRANSFORMS} neither variant "
-            f"works, see CKG001), or {_FIX_MOVE}"
+            f"see CKG007 for older torch; under {GRAD_TRANSFORMS} neither variant "
+            f"works, see CKG001), or {FIX_MOVE}"
         ),
         fallback=(
             "runs it with use_reentrant=False when that is safe here, else as ckpt_guard's "
@@ -542,7 +542,7 @@ _CALL_RULES = [
             r"|NYI: Functionalize rule for custom_function_call"
         ),
         remedy=(
-            f"{_FIX_MOVE}, or run this block without checkpointing; torch >= 2.12 (which no "
+            f"{FIX_MOVE}, or run this block without checkpointing; torch >= 2.12 (which no "
             "longer uses _NoopSaveInputs) runs non-reentrant checkpoint under vmap, jvp, jacfwd, "
             "functionalize and forward-mode AD (not under grad transforms: CKG001)"
         ),

@@ -99,6 +99,104 @@ def test_the_readers_never_import_the_decision_the_words_or_the_composable_recom
             assert not [m for m in _import_time_imports(name) if m.startswith(forbidden)], name
 
 
+
+# --------------------------------------------------------------------------
+# rooms (issue 49): a subpackage is one room, and so are the rule table's two files; every other
+# module of the package is a room of its own.  The front door (``ckpt_guard/__init__``) is no
+# room: the rule table's live probes call ``ckpt_guard.checkpoint`` as a user does.
+
+FRONT_DOOR = "ckpt_guard"
+RULE_TABLE = {"ckpt_guard._rules", "ckpt_guard._compositions"}
+
+
+def room_of(module: str) -> str:
+    if module in RULE_TABLE:
+        return "the rule table"
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and _is_package(module)):
+        return ".".join(parts[:2])
+    return module
+
+
+def _imports_anywhere(name: str) -> list:
+    """``(imported module, names taken from it or None, alias)`` for every import of the package's
+    modules in ``name``, lazy ones (inside functions) included."""
+    tree = ast.parse(open(MODULES[name]).read())
+    base = name if _is_package(name) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                target = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                if submodule in MODULES:
+                    found.append((submodule, None, alias.asname or alias.name))
+                elif target in MODULES:
+                    found.append((target, alias.name, alias.asname or alias.name))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, None, alias.asname or alias.name) for alias in node.names if alias.name in MODULES]
+    return found
+
+
+def _room_graph() -> dict:
+    graph: dict = {}
+    for name in MODULES:
+        for target, _, _ in _imports_anywhere(name):
+            if target != FRONT_DOOR and name != FRONT_DOOR and room_of(target) != room_of(name):
+                graph.setdefault(room_of(name), set()).add(room_of(target))
+    return graph
+
+
+def test_no_loop_between_rooms():
+    """The house points one way: no room imports, even lazily, a room that imports it back."""
+    graph = _room_graph()
+
+    def reaches(start: str, goal: str) -> list:
+        seen, stack = {start}, [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == goal:
+                    return path + [nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return []
+
+    loops = {" -> ".join([room] + reaches(nxt, room)) for room in graph for nxt in graph[room] if reaches(nxt, room)}
+    assert not loops, "loops between rooms:\n" + "\n".join(sorted(loops))
+
+
+def test_the_composable_recompute_imports_no_decision():
+    """``_composable`` is an engine with doors outside it (``_entry``, ``_decide``): it reads the state,
+    the configuration, the rule table and the exceptions, and never the decision, its words or the doors."""
+    assert _room_graph()["ckpt_guard._composable"] <= {
+        "ckpt_guard._state", "ckpt_guard._config", "ckpt_guard._exceptions", "the rule table",
+    }
+
+
+def test_no_private_name_crosses_rooms():
+    """A name another room uses is that room's public name: no ``from ..x import _name``, no ``x._name``."""
+    crossing = set()
+    for name in MODULES:
+        imports = _imports_anywhere(name)
+        for target, taken, _ in imports:
+            if taken and taken.startswith("_") and not taken.startswith("__") and room_of(target) != room_of(name):
+                crossing.add(f"{name} imports {target}.{taken}")
+        modules_by_alias = {alias: target for target, taken, alias in imports if taken is None}
+        for node in ast.walk(ast.parse(open(MODULES[name]).read())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = modules_by_alias.get(node.value.id)
+                private = node.attr.startswith("_") and not node.attr.startswith("__")
+                if target and private and room_of(target) != room_of(name) and f"{target}.{node.attr}" not in MODULES:
+                    crossing.add(f"{name} reads {target}.{node.attr}")
+    assert not crossing, "private names crossing rooms:\n" + "\n".join(sorted(crossing))
+
 def test_every_module_says_what_it_owns():
     for name, path in MODULES.items():
         doc = ast.get_docstring(ast.parse(open(path).read()))

@@ -583,7 +583,7 @@ def test_the_guards_own_record_bound_by_a_partial_is_not_the_users_state():
     (a _RecordedReads): forward changed"), which ckpt_guard.checkpoint binds under an untracked swap and
     fills in the forward. The snapshot leaves the guard's objects out; a user's object of the same shape
     is still watched."""
-    from ckpt_guard._composable import entry
+    from ckpt_guard import _entry as entry
     from ckpt_guard._state import argument_contents
 
     def block(t):

@@ -320,7 +320,7 @@ def test_generated_code_is_not_kept_alive():
         del step, namespace
     gc.collect()
     alive = sum(ref() is not None for ref in refs)
-    assert alive <= _messages._CACHE_LIMIT, alive
+    assert alive <= _messages.CACHE_LIMIT, alive
     ckpt_guard.uninstall()
     gc.collect()
     assert sum(ref() is not None for ref in refs) == 0

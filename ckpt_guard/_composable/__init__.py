@@ -4,8 +4,6 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 ``grad``):
 
 =============  ===================================================================
-``entry``      ``ckpt_guard.checkpoint``: torch's own checkpoint outside torch.func,
-               else this recompute (or, where it refuses, the rule that says why)
 ``call``       :func:`plan` and :func:`run`: plan the call, refuse what cannot be packed,
                run the first forward, pack its outputs into the Function
 ``binding``    the walk: what the block reaches (modules' tensors bound per thread,
@@ -27,10 +25,15 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 ``basics``     tensor helpers; ``counters``: what has run (the matrix reads it)
 =============  ===================================================================
 
-Dependencies point down that table's layers: ``entry`` → ``call`` → ``function`` →
-``plan`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``; nothing here imports the
-decision (``_decide``, ``_drift``, ``_messages``) except ``entry``, the one door in
-from ``ckpt_guard.checkpoint``.  The design, as ``jax.checkpoint``'s ``ad_checkpoint.py``
+Dependencies point down that table's layers: ``call`` → ``function`` →
+``plan`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``.
+This package is an engine with its doors outside it: it reads the state (``_state``), the
+configuration, the rule table and the exceptions, and nothing here imports the decision
+(``_decide``, ``_drift``, ``_messages``) or a door (``tests/test_architecture.py`` checks it,
+lazy imports included).  Both doors, ``ckpt_guard.checkpoint`` (``_entry``) and fallback's
+(``_decide.checkpoint_entry``), go through one ``_decide.run_composable``, which watches the
+drift a recompute cannot undo, runs the plan and says what came of it; each door keeps only
+its words.  The design, as ``jax.checkpoint``'s ``ad_checkpoint.py``
 has it for remat:
 
 torch's checkpoint is built on saved-tensor hooks (non-reentrant) or on an
@@ -130,4 +133,4 @@ from .call import plan, run  # noqa: F401
 from .refusals import (  # noqa: F401
     NOTHING_TO_SAVE, REFUSAL_CLASSES, ChangedSinceForward, Reason, Refused, describe_reason,
 )
-from .replay import default_dtype  # noqa: F401
+from .replay import in_default_dtype  # noqa: F401

@@ -501,7 +501,7 @@ class _Rebuild:
                 result = (getattr(owner, obj.__name__), True)
             self.memo[key] = result
             return result
-        if isinstance(obj, _reads._PLAIN) and not isinstance(obj, (types.FunctionType, functools.partial)):
+        if isinstance(obj, _reads.HOLDS_NOTHING) and not isinstance(obj, (types.FunctionType, functools.partial)):
             return obj, False
         self.budget -= 1
         if self.budget < 0:
@@ -749,7 +749,7 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
                 if type(value) in _SCALARS or _numpy_scalar(value):  # np.int64, np.bool_ too
                     scalars.append((owner, name, value))
                     continue
-                if isinstance(value, _reads._PLAIN) and not isinstance(value, (types.FunctionType, functools.partial)):
+                if isinstance(value, _reads.HOLDS_NOTHING) and not isinstance(value, (types.FunctionType, functools.partial)):
                     continue
                 if name in _FORWARD_HOOKS and not value:
                     continue

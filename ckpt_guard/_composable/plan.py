@@ -35,7 +35,7 @@ from .basics import (
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
     _NO_CONTEXT, _compiled_code_eager, _contents_to_replay, _forward_rng, _global_hooks, _global_hooks_as,
-    _forward_mode_alive, _output_tensors, _plain_nested_checkpoints, _vmap_levels, default_dtype,
+    _forward_mode_alive, _output_tensors, _plain_nested_checkpoints, _vmap_levels, in_default_dtype,
 )
 
 
@@ -257,10 +257,10 @@ class Plan:
 
     def _given_containers(self) -> list:
         """The user's containers the block is given (arguments, closure, partial, module attributes)."""
-        roots = _state._argument_roots(self.original_function, self.args, self.kwargs) or []
+        roots = _state.argument_roots(self.original_function, self.args, self.kwargs) or []
         for module, name in self.attribute_names:
             value = module.__dict__.get(name)
-            if name not in _rebind._FORWARD_HOOKS and _state._holds_container(value):
+            if name not in _rebind._FORWARD_HOOKS and _state.holds_container(value):
                 roots.append((f"{type(module).__name__}.{name}", value))
         return roots
 
@@ -609,7 +609,7 @@ class Plan:
         """The contexts one recompute enters, in order (see :meth:`replay`)."""
         contexts = list(self.check_recompute() or ())  # fallback: a module's train/eval mode as in the forward
         if torch.get_default_dtype() != self.default_dtype:
-            contexts.append(default_dtype(self.default_dtype))
+            contexts.append(in_default_dtype(self.default_dtype))
         if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
             contexts.append(torch.device(self.default_device))
         contexts.append(_forward_rng(*self.rng))

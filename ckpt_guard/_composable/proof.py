@@ -72,7 +72,7 @@ class Unlifted(Exception):
         self.outside = outside
 
 
-def _carries_gradient(tensor: Tensor) -> bool:
+def _requires_grad_or_wrapped(tensor: Tensor) -> bool:
     return tensor.requires_grad or is_functorch_wrapped_tensor(tensor)
 
 
@@ -200,13 +200,13 @@ class ReadCheck(TorchFunctionMode):
                 # from unseen, so its state is kept now (replaying an undrawn one changes nothing)
                 if id(value) not in self.generators:
                     self._keep_generator(value)
-            elif id(value) not in self.known and _carries_gradient(value):
+            elif id(value) not in self.known and _requires_grad_or_wrapped(value):
                 self._refuse(value, f"{cls.__qualname__} (an autograd.Function whose class holds it)")
                 return
 
     def _unknown(self, tensor: Tensor, func: Any) -> None:
         """A tensor neither given nor computed: refused if it carries a gradient, else a constant."""
-        if _carries_gradient(tensor):
+        if _requires_grad_or_wrapped(tensor):
             if not self._readable(tensor, func):
                 self._refuse(tensor, _name(func))
         elif id(tensor) not in self.constants and not self._computed(tensor):
@@ -346,7 +346,7 @@ class ReadCheck(TorchFunctionMode):
         tensors = list(tensors)
         self._note_reads(tuple(tensors), None)  # an input returned as is
         for t in tensors:
-            if isinstance(t, Tensor) and id(t) not in self.known and _carries_gradient(t) and not self._computed(t):
+            if isinstance(t, Tensor) and id(t) not in self.known and _requires_grad_or_wrapped(t) and not self._computed(t):
                 self._refuse(t, "returned")
         if self.refused is None and (self.unseen_nodes or _get_sequence_nr() != self.next_node):
             self._check_graph(tensors)

@@ -169,7 +169,7 @@ def _forward_mode_alive() -> bool:
 
 
 @contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Any:
+def in_default_dtype(dtype: torch.dtype) -> Any:
     """``torch.set_default_dtype(dtype)`` for a block (the recompute's; fallback's CKG105 replay)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -114,7 +114,7 @@ def _classify(name: str, value: Any) -> Optional[Tuple[int, Any]]:
         return _TENSOR, None
     if type(value) in _rebind._SCALARS or _rebind._numpy_scalar(value):
         return _SCALAR, None
-    if isinstance(value, _rebind._reads._PLAIN) and not isinstance(value, _WALKED_PLAIN):
+    if isinstance(value, _rebind._reads.HOLDS_NOTHING) and not isinstance(value, _WALKED_PLAIN):
         return _SAME, value  # the walk passes over it: its identity is checked
     if _immutable(value) or _library_function(value):
         return _SAME_WALKED, value  # walked, nothing in it: an attribute of the walk's

@@ -63,8 +63,8 @@ from .basics import (  # noqa: F401
     get_unwrapped,
     is_functorch_wrapped_tensor,
     peek_interpreter_stack,
-    _len_dispatch_stack,
-    _len_function_stack,
+    len_dispatch_stack,
+    len_function_stack,
     is_grad_enabled,
     requires_grad_anywhere,
     requires_grad_of,
@@ -141,8 +141,8 @@ from .modules import (  # noqa: F401
 )
 from .contents import (  # noqa: F401
     REPLAY_LOCK,
-    _argument_roots,
-    _holds_container,
+    argument_roots,
+    holds_container,
     argument_contents,
     changed_at_all,
     changed_contents,

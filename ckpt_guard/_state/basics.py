@@ -18,8 +18,8 @@ from torch.autograd import forward_ad  # noqa: F401 - the state package's, from 
 
 #: torch.utils.checkpoint's globals (set_checkpoint_early_stop's switch lives there)
 _checkpoint = vars(torch.utils.checkpoint)
-_len_dispatch_stack = torch._C._len_torch_dispatch_stack
-_len_function_stack = torch._C._len_torch_function_stack
+len_dispatch_stack = torch._C._len_torch_dispatch_stack
+len_function_stack = torch._C._len_torch_function_stack
 saved_tensor_hooks_enabled: Callable[[], bool] = (
     torch._C._autograd._saved_tensors_hooks_is_enabled
 )

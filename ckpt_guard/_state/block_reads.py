@@ -129,7 +129,7 @@ def _attribute(obj: Any, name: str) -> Any:
 
 
 # Values that cannot hide a module or a tensor the function reads.
-_PLAIN = (
+HOLDS_NOTHING = (
     str, bytes, int, float, complex, bool, type(None), type, range, slice,
     types.FunctionType, types.BuiltinFunctionType, types.ModuleType, functools.partial,
 )
@@ -154,7 +154,7 @@ def _walkable(value: Any) -> bool:
 
 def is_users_object(value: Any) -> bool:
     """Whether ``value`` is an object that might hide modules from the walk."""
-    if isinstance(value, _PLAIN):
+    if isinstance(value, HOLDS_NOTHING):
         return False
     return (type(value).__module__ or "").split(".")[0] not in LIBRARY_ROOTS
 

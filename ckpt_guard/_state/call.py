@@ -22,7 +22,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 
 from . import block_reads as _reads
 from .basics import (
-    Module, Tensor, _checkpoint, _len_function_stack, _version_of, is_grad_enabled, requires_grad_anywhere,
+    Module, Tensor, _checkpoint, len_function_stack, _version_of, is_grad_enabled, requires_grad_anywhere,
     saved_tensor_hooks_enabled,
 )
 from .modes import _infrastructure_classes
@@ -150,7 +150,7 @@ def read_call_state(reentrant: bool, function: object, args: tuple, early_stop: 
 
 def forward_device_context() -> Optional[torch.device]:
     """The device of the innermost ``torch.device(...)`` / ``set_default_device`` context, or None."""
-    if not _len_function_stack():
+    if not len_function_stack():
         return None
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, DeviceContext):

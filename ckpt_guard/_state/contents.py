@@ -82,7 +82,7 @@ def _container_kind(value: object) -> Optional[str]:
     return "object"
 
 
-def _argument_roots(
+def argument_roots(
     function: object, inputs: tuple, keywords: Optional[dict], modules: Optional[list] = None,
 ) -> Optional[list]:
     """``[(label, value)]`` for the containers and generators the block is given; None when there is none.
@@ -111,15 +111,15 @@ def _argument_roots(
             continue
         if modules is not None and isinstance(value, Module):
             modules.append(value)
-        elif _holds_container(value):
+        elif holds_container(value):
             roots.append((label.format(which), value))
     return roots or None
 
 
-def _holds_container(value: object) -> bool:
+def holds_container(value: object) -> bool:
     if type(value) is tuple:  # a tuple of tensors (rotary embeddings) is the usual non-tensor argument
         for item in value:
-            if type(item) not in _ATOMS and _holds_container(item):
+            if type(item) not in _ATOMS and holds_container(item):
                 return True
         return False
     return type(value) is _Generator or _container_kind(value) is not None
@@ -325,7 +325,7 @@ def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict
             roots = _module_containers(function)
             return contents_snapshot(roots, found) if roots else (), _generator_states(found) if found else ()
     modules: list = []
-    roots = (_argument_roots(function, inputs, keywords, modules) or []) + _module_containers(function)
+    roots = (argument_roots(function, inputs, keywords, modules) or []) + _module_containers(function)
     found: list = _module_generators(function, modules)
     contents = contents_snapshot(roots, found) if roots else ()
     return contents, _generator_states(found) if found else ()

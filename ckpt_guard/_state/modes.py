@@ -14,7 +14,7 @@ import weakref
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from .basics import _len_dispatch_stack, _len_function_stack
+from .basics import len_dispatch_stack, len_function_stack
 from .mode_records import _mode_moved, describe_mode_change, is_replayable_mode, mode_record
 
 
@@ -129,19 +129,19 @@ def _user_modes(stack: list) -> tuple:
 
 
 def user_dispatch_modes() -> tuple[type, ...]:
-    if not _len_dispatch_stack():
+    if not len_dispatch_stack():
         return ()
     return _user_modes(_get_current_dispatch_mode_stack())
 
 
 def user_function_modes() -> tuple[type, ...]:
-    if not _len_function_stack():
+    if not len_function_stack():
         return ()
     return _user_modes(_get_current_function_mode_stack())
 
 
-user_dispatch_modes.active = _len_dispatch_stack  # type: ignore[attr-defined]
-user_function_modes.active = _len_function_stack  # type: ignore[attr-defined]
+user_dispatch_modes.active = len_dispatch_stack  # type: ignore[attr-defined]
+user_function_modes.active = len_function_stack  # type: ignore[attr-defined]
 user_dispatch_modes.describe_change = user_function_modes.describe_change = (  # type: ignore[attr-defined]
     lambda was, now: describe_mode_change(was, now)
 )

@@ -12,21 +12,21 @@ from typing import Any, Optional
 import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from .. import _composable, _config, _events, _state
-from . import proof as _proof
-from .._actions import NO_CHECKPOINT
-from .._decide import (
-    _OUTCOME_TEXT, _forward_ad, _peek_interpreter_stack, _watch_composable_recompute,
-    _where, decide_call, forward_context_of, prepare_call,
-)
-from .._drift import _Tensor, _report_at_recompute
-from .._exceptions import CheckpointCompositionError
-from .._layouts import kept_inputs
-from .._messages import _warn, build_message, describe_site, describe_variant, user_frame
-from .._rules import DRIFT_RULES
-from .._rules import Rule
-from ..checkpoint_policies import is_policy_not_context_fn, names_policy_of
-from .._state import block_reads as _reads
+from . import _composable, _config, _events, _state
+from ._composable import proof as _proof
+from ._actions import NO_CHECKPOINT
+from ._decide import OUTCOME_TEXT, decide_call, forward_context_of, prepare_call, run_composable, where_lines
+from ._drift import report_at_recompute
+from ._exceptions import CheckpointCompositionError
+from ._layouts import kept_inputs
+from ._messages import emit_warning, build_message, describe_site, describe_variant, user_frame
+from ._rules import DRIFT_RULES
+from ._rules import Rule
+from .checkpoint_policies import is_policy_not_context_fn, names_policy_of
+from ._state import block_reads as _reads
+
+_Tensor = _torch.Tensor
+_forward_ad, _peek_interpreter_stack = _state.forward_ad, _state.peek_interpreter_stack
 
 
 def _swapped_parameters(function: Any, args: tuple = ()) -> bool:
@@ -107,12 +107,12 @@ def _untracked_swap(
     site_frame, _ = user_frame(sys._getframe(2))
     site = describe_site(site_frame)
     details = dict(
-        variant=describe_variant(False, False), source=config.source, **_where(function, (), site_frame),
+        variant=describe_variant(False, False), source=config.source, **where_lines(function, (), site_frame),
     )
     refused = "\n  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(reason)
     if policy == "fallback":
-        _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
-        _warn(build_message(
+        _events.emit(rule.id, policy, OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
+        emit_warning(build_message(
             rule, site=site, policy=policy, anticipated=True, worked=True,
             action="ran it without checkpointing (policy fallback)", **details,
         ) + refused, rule, once="no checkpoint")
@@ -145,11 +145,11 @@ def _refused_under_swap(function: Any, config: _config.Config, reason: str) -> N
     site = describe_site(site_frame)
     details = dict(
         variant="ckpt_guard.checkpoint, run without checkpointing (see the next line)", source=config.source,
-        **_where(function, (), site_frame),
+        **where_lines(function, (), site_frame),
     )
     refused = "\n  ckpt_guard.checkpoint could not use its composable recompute here: " + _composable.describe_reason(reason)
-    _events.emit(rule.id, policy, _OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
-    _warn(build_message(
+    _events.emit(rule.id, policy, OUTCOME_TEXT[NO_CHECKPOINT][0], site, "call")
+    emit_warning(build_message(
         rule, site=site, policy=policy, anticipated=True, worked=True,
         action=f"ran it once without checkpointing (policy {policy}): that run is the result", **details,
     ) + refused, rule, once="ran once" if policy == "fallback" else "")
@@ -177,7 +177,7 @@ class _RecordedReads:
         first = (other or missing)[0]
         change = f"the recompute {' and '.join(parts)} (the first of shape {tuple(first.shape)}): the swap had ended"
         try:  # warn says so (torch's recompute ran); strict raises before the backward uses it
-            _report_at_recompute(
+            report_at_recompute(
                 self.rule, self.policy, self.site, when="in torch's recompute, before the backward used it",
                 site=self.site, forward_site=self.site, change=change, **self.details,
             )
@@ -312,21 +312,20 @@ def public_checkpoint(
     built = _composable.plan(function, args, block_kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
     if not isinstance(built, str):
         site_frame, _ = user_frame(sys._getframe(1))
-        _watch_composable_recompute(built, False, config, site_frame)
-        try:
-            return _composable.run(built)
-        except _composable.Refused as refused:  # the run-time proof: decided below, as a plan refusal
-            if refused.ran:
-                # the block ran once, plainly, as the caller wrote it: that is the result (strict
-                # raises the rule's explanation; warn and fallback say so and keep it)
-                if named_eager:
-                    _names_not_kept(names, refused.reason, "it ran without checkpointing (its result is right)")
-                elif eager:
-                    _refused_under_swap(function, config, refused.reason)
-                else:
-                    decide_call(False, function, args, config, refused=refused.reason, ran=True)
-                return refused.output
-            built = refused.reason
+        came = run_composable(built, False, config, site_frame)
+        if came.refusal is None:
+            return came.output
+        if came.ran:
+            # the block ran once, plainly, as the caller wrote it: that is the result (strict
+            # raises the rule's explanation; warn and fallback say so and keep it)
+            if named_eager:
+                _names_not_kept(names, came.refusal, "it ran without checkpointing (its result is right)")
+            elif eager:
+                _refused_under_swap(function, config, came.refusal)
+            else:
+                decide_call(False, function, args, config, refused=came.refusal, ran=True)
+            return came.output
+        built = came.refusal  # the run-time proof's refusal: decided below, as a plan refusal
     if named_eager:
         _names_not_kept(names, built, "torch's checkpoint runs it, which cannot see the names")
         names._warned = True  # said here: not again by the policy, whose advice is this call
