@@ -385,3 +385,39 @@ def test_where_fallbacks_composable_recompute_ran_there_is_nothing_to_fix():
     assert fixes[0].startswith("none needed"), fixes
     assert not any("move the checkpoint call" in line for line in fixes), fixes
     assert "warnings.filterwarnings('ignore'" in fixes[-1]
+
+
+def test_every_place_a_block_takes_a_tensor_from_is_named_in_messages():
+    """Issue 49: the message paths (``binding.describe_path``) skipped ``__kwdefaults__``, so a tensor
+    lifted from a keyword-only default was "a tensor the guard cannot name"; each place the walk lifts
+    a tensor from is named."""
+    import functools
+
+    import torch
+
+    from ckpt_guard._composable.binding import describe_path
+
+    w = torch.ones(2)
+    closed = torch.ones(2)
+
+    def positional(h, scale=w):
+        return h * scale
+
+    def keyword_only(h, *, scale=w):
+        return h * scale
+
+    def closure(h):
+        return h * closed
+
+    def bound(h, scale):
+        return h * scale
+
+    cases = {
+        "default 0": (positional, w),
+        "default scale=": (keyword_only, w),
+        "→ closed": (closure, closed),
+        "(bound argument 0)": (functools.partial(bound, w), w),
+    }
+    for words, (block, tensor) in cases.items():
+        path = describe_path(block, (torch.zeros(2),), {}, tensor)
+        assert path is not None and words in path, (words, path)

@@ -826,6 +826,8 @@ def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
                 continue
         for i, value in enumerate(obj.__defaults__ or ()):
             yield value, f"{path} → default {i}"
+        for name, value in (obj.__kwdefaults__ or {}).items():  # lifted as the walk lifts them
+            yield value, f"{path} → default {name}="
         for name in _reads.global_names(code):
             if name in obj.__globals__:
                 yield obj.__globals__[name], f"global {name} of {obj.__module__}"
