@@ -250,3 +250,14 @@ def test_generated_code_is_attributed_past_its_files_end_never_to_a_docstring_li
         frame = traceback.extract_tb(error.__traceback__)[-1]
     assert frame.filename == _files.__file__ and frame.name == "generated_boom"
     assert frame.lineno > lines_of(_files.__file__) and not frame.line  # no unrelated source line shown
+
+
+def test_the_guards_file_lists_name_files_that_exist():
+    """``_files`` lists the guard's files by path (the call-site walk steps over them, dynamo skips them):
+    a file moved between rooms must move there too, or messages name the guard's line and dynamo traces it."""
+    from ckpt_guard import _files
+
+    listed = set(_files.OWN) | {os.path.normpath(path) for path in _files.DYNAMO_SKIPPED}
+    assert sorted(path for path in listed if not os.path.isfile(path)) == []
+    here = {os.path.normpath(path) for path in MODULES.values()}
+    assert os.path.normpath(os.path.join(PACKAGE, "_entry.py")) in here & set(_files.OWN)
