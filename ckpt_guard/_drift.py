@@ -460,6 +460,7 @@ def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed
 _QUIET_WHEN = {
     _CONTENTS_INDEX: lambda was, now: _state.values_only(was),
     _ATTRIBUTES_INDEX: _state.attributes_values_only,
+    BINDINGS_INDEX: _state.bindings_values_only,
 }
 
 

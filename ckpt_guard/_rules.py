@@ -1258,7 +1258,8 @@ _DRIFT_RULES = [
         ),
         fallback=(
             "recomputes with the tensors the forward read (bound for the recompute only, on its "
-            "thread): correct, keeps the memory saving"
+            "thread): correct, keeps the memory saving. Where only Python values changed (a counter "
+            "its forward advances, a step, a scale or a flag re-bound), strict does the same without a word"
         ),
         refs=(
             "https://github.com/metaopt/torchopt",

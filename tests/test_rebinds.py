@@ -342,6 +342,7 @@ def test_the_forward_re_read_survives_the_device_watch(monkeypatch):
 
 GLOBAL_W = None
 GLOBAL_CALLS = 0
+GLOBAL_SCALE = 1.0
 
 
 def _global_weight_block(h):
@@ -354,12 +355,20 @@ def _global_counter_block(h):
     return torch.tanh(h) * GLOBAL_CALLS
 
 
+def _global_scale_block(h):  # a scale the program re-binds after the call (a Python value, as a counter)
+    return torch.tanh(h @ GLOBAL_W * GLOBAL_SCALE)
+
+
 def _calls_the_weight_block(h):  # a global helper of the user's, which loads the global
     return _global_weight_block(h)
 
 
 def _calls_the_counter_block(h):
     return _global_counter_block(h)
+
+
+def _calls_the_scale_block(h):
+    return _global_scale_block(h)
 
 
 class _GlobalsUser:
@@ -381,27 +390,36 @@ class _GlobalsUser:
 GLOBAL_SHAPES = {
     "the block's own code": lambda block: block,
     "a helper in its closure": lambda block: (lambda inner: lambda h: inner(h))(
-        (lambda h: torch.tanh(h @ GLOBAL_W)) if block is _global_weight_block else _global_counter_block
+        (lambda h: torch.tanh(h @ GLOBAL_W)) if block is _global_weight_block else block
     ),
-    "a global helper it calls": lambda block: (
-        _calls_the_weight_block if block is _global_weight_block else _calls_the_counter_block
-    ),
+    "a global helper it calls": lambda block: {
+        _global_weight_block: _calls_the_weight_block, _global_counter_block: _calls_the_counter_block,
+        _global_scale_block: _calls_the_scale_block,
+    }[block],
     "a callable object": lambda block: _GlobalsUser(block),
     "a plain object's method": lambda block: _GlobalsUser(block).run,
 }
 
 
+#: what the program does to a global the block reads, by the block, and the global it names
+GLOBAL_CHANGES = {
+    "a weight re-bound after the call": (_global_weight_block, "GLOBAL_W"),
+    "a counter the block's forward advances": (_global_counter_block, "GLOBAL_CALLS"),
+    "a scale re-bound after the call": (_global_scale_block, "GLOBAL_SCALE"),
+}
+
+
 def _global_program(which: str, ckpt, shape: str = "the block's own code") -> list:
-    global GLOBAL_W, GLOBAL_CALLS
+    global GLOBAL_W, GLOBAL_CALLS, GLOBAL_SCALE
     torch.manual_seed(0)
     GLOBAL_W = w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    GLOBAL_CALLS = 0
+    GLOBAL_CALLS, GLOBAL_SCALE = 0, 1.0
+    y = ckpt(GLOBAL_SHAPES[shape](GLOBAL_CHANGES[which][0]), x)
     if which == "a weight re-bound after the call":
-        y = ckpt(GLOBAL_SHAPES[shape](_global_weight_block), x)
         GLOBAL_W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
-    else:
-        y = ckpt(GLOBAL_SHAPES[shape](_global_counter_block), x)
+    elif which == "a scale re-bound after the call":
+        GLOBAL_SCALE = 2.0
     y.pow(2).sum().backward()
     return [w.grad, x.grad, torch.tensor(float(GLOBAL_CALLS))]
 
@@ -415,16 +433,19 @@ GLOBAL_ENTRIES = {
 
 @pytest.mark.parametrize("shape", list(GLOBAL_SHAPES))
 @pytest.mark.parametrize("entry", list(GLOBAL_ENTRIES))
-@pytest.mark.parametrize("which", ["a weight re-bound after the call", "a counter the block's forward advances"])
+@pytest.mark.parametrize("which", list(GLOBAL_CHANGES))
 def test_a_global_re_bound_before_the_recompute_is_caught(which, entry, shape):
-    named = f"the global {'GLOBAL_W' if 'weight' in which else 'GLOBAL_CALLS'!r} of module"
+    named = f"the global {GLOBAL_CHANGES[which][1]!r} of module"
     _caught_then_repaired(_global_program, which, entry, shape, named)
 
 
 def _caught_then_repaired(program, which: str, entry: str, shape: str, named: str) -> None:
     """CKG110 on ``program(which, ckpt, shape)``: torch alone is silently wrong (w gets no gradient, or
-    the count is off), strict raises naming what was re-bound, warn does exactly what torch does, and
-    fallback gives the uncheckpointed program's numbers."""
+    the count is off) and warn does exactly what torch does, saying so.  A tensor re-bound: strict
+    raises naming what was re-bound, and fallback gives the uncheckpointed program's numbers.  A counter
+    the forward advances (only Python values changed): strict and fallback both give the uncheckpointed
+    program's numbers without a word, as for CKG115's counter on a module (before 2026-12-07 strict
+    raised there, where its own replay is exact)."""
     if not HOLDS:
         pytest.skip(f"CKG110's claim does not hold on torch {installed()}")
     ckpt = GLOBAL_ENTRIES[entry]
@@ -434,15 +455,25 @@ def _caught_then_repaired(program, which: str, entry: str, shape: str, named: st
     if entry != "ckpt_guard.checkpoint":  # torch alone: silently wrong
         raw = zeros(program(which, ckpt, shape))
         assert any(r.shape != g.shape or not torch.allclose(r, g) for r, g in zip(raw, reference))
-    with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
-        _under("strict", program, which, ckpt, shape)
-    assert named in str(info.value)
+    values_only = "weight" not in which  # a counter, a scale: Python values
+    if values_only:  # strict repairs it quietly
+        repaired, said = _under("strict", program, which, ckpt, shape)
+        assert said == []
+        for g, r in zip(zeros(repaired), reference):
+            torch.testing.assert_close(g, r)
+    else:
+        with pytest.raises(CheckpointCompositionError, match=r"\[CKG110\]") as info:
+            _under("strict", program, which, ckpt, shape)
+        assert named in str(info.value)
     if entry != "ckpt_guard.checkpoint":
         warned, messages = _under("warn", program, which, ckpt, shape)
         assert {m.rule.id for m in messages} == {"CKG110"}
+        assert named in str(messages[0])
         for w, r in zip(zeros(warned), raw):
             assert torch.equal(w, r)  # warn: exactly what torch does
-    repaired, _ = _under("fallback", program, which, ckpt, shape)
+    repaired, said = _under("fallback", program, which, ckpt, shape)
+    if values_only:
+        assert said == []
     for g, r in zip(zeros(repaired), reference):
         torch.testing.assert_close(g, r)
 

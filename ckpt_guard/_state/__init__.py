@@ -121,6 +121,7 @@ from .backward import (  # noqa: F401
 from .closures import globals_read, replaying_globals  # noqa: F401
 from .modules import (  # noqa: F401
     attributes_values_only,
+    bindings_values_only,
     block_bindings,
     block_hooks,
     describe_attributes,

@@ -481,6 +481,24 @@ def differs(was: object, now: object) -> bool:
         return True
 
 
+def bindings_values_only(was: object, now: object) -> bool:
+    """Only Python values changed among what a function block reads by name, none of its modules'
+    tensors (CKG110's quiet case, as :func:`attributes_values_only` is CKG115's): a counter its
+    forward advances, a step or a scale re-bound.  A replay of the forward's values is then the
+    uncheckpointed program, so strict need not stop it.  A module block's record: never.
+    """
+    if type(was) is ClosureRead:
+        if type(now) is not ClosureRead or differs(was[1], now[1]) or differs(was[2], now[2]):
+            return False  # the modules it reaches, or a tensor one of them holds, changed
+        was, now = was[0], now[0]
+    if type(was) is not tuple or type(now) is not tuple or len(was) != len(now):
+        return False
+    changed = [(old, new) for old, new in zip(was, now) if old is not new]
+    return bool(changed) and all(
+        type(old) in _PLAIN_VALUES and type(new) in _PLAIN_VALUES for old, new in changed
+    )
+
+
 def block_bindings(function: object) -> object:
     """CKG110's part of :func:`block_snapshot`: the tensors (or closure values) the block reads."""
     return block_snapshot(function)[0]
