@@ -48,6 +48,63 @@ DYNAMO_SKIPPED = tuple(
 )
 
 
+#: what the walk to the user's line steps over, beside torch's files and the standard library's helpers:
+#: the guard's machinery, its composable recompute (a drift check at a recompute is reached from it)
+#: and its save policies (their context managers run inside torch's checkpoint)
+WALKED_OVER = OWN | frozenset(
+    os.path.join(PACKAGE_DIR, name) for name in (*_room("_composable"), "checkpoint_policies.py")
+)
+#: the standard library's helpers that sit between a user's call and checkpoint (functools.partial,
+#: contextlib decorators, threads), by their own paths: a user file named my_functools.py is the user's
+_STDLIB_HELPERS = ("contextlib", "functools", "threading")
+
+# id(code object) -> (the code object, is it library code?).  Keyed by identity: hashing a code
+# object hashes its constants, and dynamo's rewritten code can hold a dict (unhashable).  The entry
+# keeps its code object alive, so the id is not reused while cached.  Bounded: generated code (exec,
+# torch.fx) makes new code objects forever.
+library_codes: dict = {}
+CACHE_LIMIT = 1024
+_skipped: list = []  # (torch's folder, the helpers' files), read once torch is imported
+
+
+def is_library_code(code: Any) -> bool:
+    """Torch's, the guard's or a standard-library helper's code (cached per code object: hot path)."""
+    known = library_codes.get(id(code))
+    if known is None or known[0] is not code:
+        if not _skipped:
+            import importlib
+            import sys
+
+            torch_file = sys.modules["torch"].__file__ or ""
+            helpers = frozenset(
+                os.path.abspath(module.__file__)
+                for module in map(importlib.import_module, _STDLIB_HELPERS) if module.__file__
+            )
+            _skipped.append((os.path.dirname(os.path.abspath(torch_file)) + os.sep, helpers))
+        torch_dir, helpers = _skipped[0]
+        if len(library_codes) >= CACHE_LIMIT:
+            library_codes.clear()
+        filename = code.co_filename
+        known = library_codes[id(code)] = (
+            code, filename in WALKED_OVER or filename.startswith(torch_dir) or filename in helpers,
+        )
+    return known[1]
+
+
+def user_frame(start: Any) -> tuple:
+    """``(frame, depth)``: the innermost frame from ``start`` outward that is neither torch's, nor the
+    guard's, nor a standard-library helper's, and how many frames out from ``start`` it is.
+
+    The one definition of "the user's line": a message's call site, the line a refusal of the run-time
+    proof names, the line ``saved_residuals`` and a save policy's warnings are attributed to.
+    """
+    frame, depth = start, 0
+    while frame is not None and is_library_code(frame.f_code):
+        frame = frame.f_back
+        depth += 1
+    return frame, depth
+
+
 def compile_generated(source: str, filename: str, name: str, namespace: dict) -> Any:
     """The function ``name`` defined by generated ``source``, run in ``namespace``, filed under ``filename``.
 

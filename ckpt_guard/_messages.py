@@ -12,13 +12,11 @@ policy makes of it (``_decide``, ``_drift``); it is given those and writes them 
 
 from __future__ import annotations
 
-import contextlib
 import dis
 import functools
 import os
 import sys
 import sysconfig
-import threading
 import warnings
 from types import FrameType
 from typing import Any, Optional, Sequence
@@ -37,45 +35,13 @@ from ._state import block_reads as _reads
 # --------------------------------------------------------------------------
 # where the user called checkpoint
 
-_OWN_FILES = _files.OWN  # the guard's machinery (see _files)
-_TORCH_DIR = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or "")) + os.sep
-# The standard library's helpers that sit between a user's call and checkpoint
-# (functools.partial, contextlib decorators, threads), by their own paths: a
-# user file named my_functools.py is the user's.
-_STDLIB_HELPERS = frozenset(
-    os.path.abspath(module.__file__) for module in (contextlib, functools, threading) if module.__file__
-)
-
-
-# id(code object) -> (the code object, is it library code?).  Keyed by identity: hashing
-# a code object hashes its constants, and dynamo's rewritten code can hold a dict
-# (unhashable).  The entry keeps its code object alive, so the id is not reused while
-# cached.  Bounded: generated code (exec, torch.fx) makes new code objects forever.
-library_codes: dict = {}
-CACHE_LIMIT = 1024
-
-
-def is_library_code(code: Any) -> bool:
-    """Torch's, the guard's or a stdlib helper's code (cached per code object: hot path)."""
-    known = library_codes.get(id(code))
-    if known is None or known[0] is not code:
-        if len(library_codes) >= CACHE_LIMIT:
-            library_codes.clear()
-        filename = code.co_filename
-        known = library_codes[id(code)] = (
-            code, filename in _OWN_FILES or filename.startswith(_TORCH_DIR) or filename in _STDLIB_HELPERS,
-        )
-    return known[1]
+#: the one definition of the user's line, and its per-code cache (see ``_files``)
+is_library_code, library_codes, CACHE_LIMIT = _files.is_library_code, _files.library_codes, _files.CACHE_LIMIT
 
 
 def user_frame(start: Optional[FrameType] = None) -> tuple[Optional[FrameType], int]:
-    """The innermost frame outside torch and the guard, and its depth from ``start``."""
-    frame = start if start is not None else sys._getframe(1)
-    depth = 0
-    while frame is not None and is_library_code(frame.f_code):
-        frame = frame.f_back
-        depth += 1
-    return frame, depth
+    """The innermost frame outside torch and the guard, and its depth from ``start`` (``_files.user_frame``)."""
+    return _files.user_frame(start if start is not None else sys._getframe(1))
 
 
 # Where installed libraries live (site-packages, the standard library): a frame

@@ -174,9 +174,10 @@ def test_no_loop_between_rooms():
 
 def test_the_composable_recompute_imports_no_decision():
     """``_composable`` is an engine with doors outside it (``_entry``, ``_decide``): it reads the state,
-    the configuration, the rule table and the exceptions, and never the decision, its words or the doors."""
+    the configuration, the rule table, the exceptions and the guard's file list (where the user's line
+    is), and never the decision, its words or the doors."""
     assert _room_graph()["ckpt_guard._composable"] <= {
-        "ckpt_guard._state", "ckpt_guard._config", "ckpt_guard._exceptions", "the rule table",
+        "ckpt_guard._state", "ckpt_guard._config", "ckpt_guard._exceptions", "the rule table", "ckpt_guard._files",
     }
 
 

@@ -421,3 +421,92 @@ def test_every_place_a_block_takes_a_tensor_from_is_named_in_messages():
     for words, (block, tensor) in cases.items():
         path = describe_path(block, (torch.zeros(2),), {}, tensor)
         assert path is not None and words in path, (words, path)
+
+
+@pytest.mark.parametrize("entry", ["ckpt_guard.checkpoint (warn)", "torch's checkpoint (fallback)"])
+def test_a_drift_at_a_composable_recompute_names_the_users_line_and_the_forwards_transforms(entry):
+    """Issue 49's one definition of the user's line: a drift found before a composable recompute (an
+    optimizer step between a vjp and its pullback) was attributed to the guard's own
+    ``_composable/plan.py`` ("recompute reached from: .../plan.py:469 in for_recompute"), the walk not
+    stepping over the recompute's files, and said "torch.func transforms: none" for a forward that ran
+    under one.  Now: the user's pullback line, and the forward's transform."""
+    import inspect
+    import warnings
+
+    import torch
+
+    import ckpt_guard
+    from ckpt_guard._composable import ChangedSinceForward
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    if entry.startswith("ckpt_guard"):
+        policy, ckpt = "warn", ckpt_guard.checkpoint
+    else:
+        policy = "fallback"
+        ckpt = lambda f, *a: torch.utils.checkpoint.checkpoint(f, *a, use_reentrant=False)  # noqa: E731
+    optimizer = torch.optim.SGD(lin.parameters(), lr=0.1)
+    ckpt_guard.install(policy, rules={})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, pull = torch.func.vjp(lambda x: ckpt(lin, x).sum(), x)
+            for p in lin.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer.step()  # between the forward and its pullback
+            raised = None
+            try:
+                pull_line = inspect.currentframe().f_lineno + 1
+                pull(torch.ones_like(out))
+            except ckpt_guard.CheckpointCompositionError as error:  # fallback: no replay undoes a step
+                raised = str(error)
+            except ChangedSinceForward:  # warn: the recompute stops, its parameters were updated in place
+                pass
+    finally:
+        ckpt_guard.uninstall()
+    said = [w for w in caught if "[CKG108]" in str(w.message)]  # fallback also says CKG001's at the call
+    if policy == "warn":
+        assert len(said) == 1 and raised is None, [str(w.message) for w in caught]
+        text = str(said[0].message)
+        assert (said[0].filename, said[0].lineno) == (__file__, pull_line), text
+    else:
+        assert said == [] and raised is not None and "[CKG108]" in raised, raised
+        text = raised
+    assert f"recompute reached from: {__file__}:{pull_line}" in text, text
+    assert "torch.func transforms: grad(level" in text, text
+
+
+@pytest.mark.parametrize("policy", ["strict", "warn", "fallback"])
+def test_ckpt_guard_checkpoints_refusal_names_the_users_line(policy):
+    """The words name the user's call of ``ckpt_guard.checkpoint``, never the guard's own entry: the walk
+    to the user's line steps over ``_entry.py`` wherever it lives (issue 49 moved it out of
+    ``_composable``; ``_files`` must list it)."""
+    import inspect
+    import warnings
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    import ckpt_guard
+
+    class Watching(TorchFunctionMode):  # a user mode: the composable recompute refuses it (user-mode)
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with ckpt_guard.policy(policy, rules={}), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with Watching():
+                line = inspect.currentframe().f_lineno + 1
+                torch.func.grad(lambda x: ckpt_guard.checkpoint(lin, x).sum())(x)
+            text = "\n".join(str(w.message) for w in caught if "checkpoint called at" in str(w.message))
+        except ckpt_guard.CheckpointCompositionError as error:
+            text = str(error)
+        except RuntimeError as error:  # warn: what torch does next, after the warning
+            text = "\n".join(str(w.message) for w in caught if "checkpoint called at" in str(w.message))
+            assert policy == "warn", error
+    assert f"checkpoint called at: {__file__}:{line} in <lambda>" in text, text
+    assert "_entry.py" not in text, text

@@ -52,6 +52,7 @@ from torch._C._functorch import get_unwrapped as _get_unwrapped, is_batchedtenso
 from torch._C._functorch import maybe_get_level as _maybe_get_level
 from torch.overrides import TorchFunctionMode
 
+from .. import _files
 from .._state import is_user_generator, requires_grad_anywhere, requires_grad_of
 
 Tensor = torch.Tensor
@@ -698,19 +699,9 @@ def _name(func: Any) -> str:
     return name if not module else f"{module}.{name}"
 
 
-_PACKAGE = __name__.rsplit(".", 1)[0]
-
-
 def _block_site() -> str:
     """The innermost frame that is neither torch's nor the guard's: the block's line that read it."""
-    frame = sys._getframe(2)
-    torch_dir = torch.__file__.rsplit("/", 1)[0]
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        module = frame.f_globals.get("__name__", "")
-        if not filename.startswith(torch_dir) and not module.startswith(_PACKAGE) and module not in (
-            "contextlib", "functools",
-        ):
-            return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "<unknown>"
+    frame, _ = _files.user_frame(sys._getframe(2))
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

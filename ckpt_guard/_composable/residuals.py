@@ -25,8 +25,9 @@ import collections
 import os
 import sys
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
+from .. import _files
 from .._state.transforms import describe_transforms, transform_stack
 
 
@@ -37,43 +38,17 @@ class _Now(threading.local):
 
 NOW = _Now()
 
-#: frames in these folders are torch's or ckpt_guard's: the user's line is the first frame outside them
-_LIBRARY_DIRS: Tuple[str, ...] = ()
-
-
-def _library_dirs() -> Tuple[str, ...]:
-    global _LIBRARY_DIRS
-    if not _LIBRARY_DIRS:
-        import torch
-
-        _LIBRARY_DIRS = tuple(
-            os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["ckpt_guard"]) if m.__file__
-        ) + (os.path.dirname(os.__file__) + os.sep,)
-    return _LIBRARY_DIRS
-
-
-def _user_frames() -> Any:
-    """(depth, frame) of each frame outside torch, ckpt_guard and the standard library, innermost first."""
-    dirs = _library_dirs()
-    frame, depth = sys._getframe(2), 2
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(dirs) and not name.startswith("<"):
-            yield depth, frame
-        frame, depth = frame.f_back, depth + 1
-
-
 def _user_line() -> str:
-    for _, frame in _user_frames():
-        return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-    return "?"
+    frame, _ = _files.user_frame(sys._getframe(1))  # from this function's caller outward
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def user_stacklevel() -> int:
     """``warnings.warn``'s stacklevel, called from the function that warns, that names the user's line."""
-    for depth, _ in _user_frames():
-        return depth - 1
-    return 1
+    frame, depth = _files.user_frame(sys._getframe(1))  # from the function that warns outward
+    return depth + 1 if frame is not None else 1
 
 
 def _op_name(func: Any) -> str:
