@@ -123,6 +123,37 @@ the call found them, and what the block's
 closures held (frozen copies: a loop rebinding a closed-over variable is not
 seen).  Checkpoints nested inside the block run plainly (the outer recompute
 already recomputes them).
+
+**What to hold to change it, each in one home.**  ``jax.checkpoint`` needs six
+(a primitive carrying the traced function, ``checkpoint()``, one rule per
+transform, the policy predicate, ``name_p``, ``saved_residuals``); here, those
+marked * exist only because eager PyTorch has no tracer (JAX reads all of it off
+a jaxpr, and a jaxpr is pure):
+
+==============================  ============================================================
+the doors                       ``_entry.public_checkpoint`` and fallback's
+                                ``_decide.checkpoint_entry``, both through
+                                ``_decide.run_composable`` (JAX: ``checkpoint()``)
+the plan                        ``plan.Plan``: the call, its first forward, what a recompute
+                                starts from (JAX: the primitive and its jaxpr)
+the walk *                      ``binding`` (with ``_state.closures``): what the block reaches,
+                                lifted as inputs; ``shapes``: a module's walk kept *
+the proof *                     ``proof.ReadCheck``: nothing needing a gradient was missed
+refusals                        ``refusals``: a :class:`Reason` of a class ``docs/limits.md`` lists
+the Function and its rules      ``function._Recompute``: backward, jvp, vmap, each again a
+                                recompute (JAX: one rule per transform)
+levels *                        ``levels.apply``, ``levels.as_the_call_saw``: functorch's levels,
+                                and the ``requires_grad`` and grad mode the call saw
+the replayed world *            ``replay`` and ``Plan.replay``: RNG, dtype, device, autocast,
+                                hooks, the modules' values, globals, containers
+in-place writes *               ``Plan.pre_forward``/``written``: copies of what a write reaches
+save policies                   ``saving`` (JAX: the policy predicate and ``name_p``)
+the residuals report            ``residuals`` (JAX: ``saved_residuals``)
+the drift watch                 ``_decide.watch_composable_recompute``: what no replay undoes
+                                (a train/eval switch, an optimizer step), checked at each recompute
+counters and the plain scope    ``counters``; nested checkpoints run plainly
+                                (``replay._plain_nested_checkpoints``)
+==============================  ============================================================
 """
 
 from __future__ import annotations
