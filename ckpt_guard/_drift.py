@@ -124,6 +124,7 @@ _CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
 _GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")
 _ATTRIBUTES_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_attributes")
 _TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
+_DTYPE_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "default_dtype")
 _MODE_INDICES = frozenset(
     i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
 )
@@ -494,6 +495,30 @@ def _quiet_replays(
     return quiet
 
 
+_CONTEXT_NOTE = (
+    "; read at the call outside your context_fn's forward context, and here inside its recompute "
+    "context: if those contexts set it, torch's recompute reads what the forward did, but ckpt_guard "
+    "cannot tell that from a change after the call, so it does not replay it"
+)
+
+
+def _set_by_a_context(index: int, was: Any, now: Any) -> bool:
+    """Under a user ``context_fn``, whether this change may be its contexts' own doing.
+
+    The forward's state is read at the call, outside the forward context; the
+    recompute's inside the recompute context.  A context that sets a Python
+    value the block reads (a global scale, a module's flag, the default dtype)
+    for both runs shows here as a change torch recomputes right, and one the
+    program made after the call looks the same: no replay can tell them apart,
+    so none is made, quietly or under fallback (strict and fallback raise, warn
+    warns).  A tensor re-bound is no context's doing: replayed as ever.
+    """
+    if index == _DTYPE_INDEX:
+        return True
+    values_only = _QUIET_WHEN.get(index)
+    return values_only is not None and values_only(was, now)
+
+
 def report_drift(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
     site: tuple, modes_managed: bool = False, only: Optional[frozenset] = None,
@@ -512,7 +537,7 @@ def report_drift(
         and config.policy_for(DRIFT_RULES[i].id) != "off"
         and _relevant_drift(function, i, was, now, modes_managed)
     ]
-    quiet = _quiet_replays(function, reentrant, config, forward_state, state, only)
+    quiet = {} if modes_managed else _quiet_replays(function, reentrant, config, forward_state, state, only)
     if quiet:
         changed = [index for index in changed if index not in quiet]
     if BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
@@ -530,14 +555,18 @@ def report_drift(
         rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
         describe_change = _DRIFT_CHANGES[index]
         policy = config.policy_for(rule.id)
-        replay = _replay(rule, was, now, function, modes_managed, reentrant) if policy == "fallback" else None
+        replay = None
+        if policy == "fallback" and not (modes_managed and _set_by_a_context(index, was, now)):
+            replay = _replay(rule, was, now, function, modes_managed, reentrant)
         report_at_recompute(
             rule, policy, forward_site_text,
             repaired=replay[1] if replay else "",
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
-            change=_describe_change(describe_change, was, now, function, render),
+            change=_describe_change(describe_change, was, now, function, render) + (
+                _CONTEXT_NOTE if modes_managed and _set_by_a_context(index, was, now) else ""
+            ),
             remedy=case_remedy(rule, was, now, repaired=bool(replay)),
             fallback_text=case_fallback(rule, was),
             symptom=case_symptom(rule, was, now),

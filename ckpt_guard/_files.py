@@ -65,6 +65,7 @@ _STDLIB_HELPERS = ("contextlib", "functools", "threading")
 library_codes: dict = {}
 CACHE_LIMIT = 1024
 _skipped: list = []  # (torch's folder, the helpers' files), read once torch is imported
+_FX_GENERATED = "<eval_with_key>"  # the file name torch.fx gives the code it generates
 
 
 def is_library_code(code: Any) -> bool:
@@ -86,7 +87,9 @@ def is_library_code(code: Any) -> bool:
             library_codes.clear()
         filename = code.co_filename
         known = library_codes[id(code)] = (
-            code, filename in WALKED_OVER or filename.startswith(torch_dir) or filename in helpers,
+            code,
+            filename in WALKED_OVER or filename.startswith(torch_dir) or filename in helpers
+            or filename.startswith(_FX_GENERATED),  # torch.fx's code (a GraphModule's forward): torch's
         )
     return known[1]
 

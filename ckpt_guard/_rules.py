@@ -1257,9 +1257,12 @@ _DRIFT_RULES = [
             "closure or a global: bind the value as a default argument or with functools.partial"
         ),
         fallback=(
-            "recomputes with the tensors the forward read (bound for the recompute only, on its "
-            "thread): correct, keeps the memory saving. Where only Python values changed (a counter "
-            "its forward advances, a step, a scale or a flag re-bound), strict does the same without a word"
+            "recomputes with the tensors and values the forward read (a module's bound for the "
+            "recompute only, on its thread; a closure variable, a global or a plain object's attribute "
+            "set for the recompute under a lock, so another thread reading it meanwhile reads the "
+            "forward's value too): correct, keeps the memory saving. Where only Python values changed "
+            "(a counter its forward advances, a step, a scale or a flag re-bound), strict does the same "
+            "without a word"
         ),
         refs=(
             "https://github.com/metaopt/torchopt",

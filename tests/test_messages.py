@@ -510,3 +510,28 @@ def test_ckpt_guard_checkpoints_refusal_names_the_users_line(policy):
             assert policy == "warn", error
     assert f"checkpoint called at: {__file__}:{line} in <lambda>" in text, text
     assert "_entry.py" not in text, text
+
+
+def test_saved_residuals_names_the_users_line_for_an_fx_block():
+    """torch.fx's generated code (file name ``<eval_with_key>...``) is torch's, not the user's line: the one
+    walk steps over it, as ``saved_residuals``' own walk did before it was merged into ``_files``."""
+    import inspect
+
+    import torch
+    import torch.fx
+    from torch.func import grad
+
+    import ckpt_guard
+    from ckpt_guard import checkpoint_policies as policies
+
+    class Block(torch.nn.Module):
+        def forward(self, h):
+            return (torch.sin(h) @ torch.eye(3, dtype=h.dtype)).cos().sum()
+
+    traced = torch.fx.symbolic_trace(Block())
+    x = torch.rand(3, 3, dtype=torch.float64)
+    saving = policies.context_fn(policies.dots_saveable)
+    line = inspect.currentframe().f_lineno + 1
+    report = ckpt_guard.saved_residuals(grad(lambda t: ckpt_guard.checkpoint(traced, t, context_fn=saving)), x)
+    where = [value.where for block in report.blocks for value in block.values]
+    assert where and all(w == f"test_messages.py:{line}" for w in where), where
