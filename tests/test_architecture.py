@@ -42,19 +42,26 @@ def _is_package(name: str) -> bool:
     return MODULES[name].endswith("__init__.py")
 
 
+def _tree(name: str) -> ast.Module:
+    with open(MODULES[name]) as source:
+        return ast.parse(source.read())
+
+
+def _from_target(name: str, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` in ``name`` reads from, relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    anchor = (name if _is_package(name) else name.rpartition(".")[0]).split(".")
+    anchor = anchor[: len(anchor) - (node.level - 1)]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
 def _import_time_imports(name: str) -> set:
     """The package's modules ``name`` imports when it is imported (module level, not in functions)."""
-    tree = ast.parse(open(MODULES[name]).read())
-    base = name if _is_package(name) else name.rpartition(".")[0]
     found = set()
-    for node in tree.body:  # top level only: a lazy import in a function is no import-time cycle
+    for node in _tree(name).body:  # top level only: a lazy import in a function is no import-time cycle
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = base.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                target = ".".join(anchor + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(name, node)
             submodules = {f"{target}.{alias.name}" for alias in node.names} & MODULES.keys()
             found |= submodules  # from . import _config: that module
             if target in MODULES and len(submodules) < len(node.names):
@@ -118,20 +125,13 @@ def room_of(module: str) -> str:
     return module
 
 
-def _imports_anywhere(name: str) -> list:
+def _imports_anywhere(name: str, tree: ast.Module) -> list:
     """``(imported module, names taken from it or None, alias)`` for every import of the package's
-    modules in ``name``, lazy ones (inside functions) included."""
-    tree = ast.parse(open(MODULES[name]).read())
-    base = name if _is_package(name) else name.rpartition(".")[0]
+    modules in ``name`` (parsed as ``tree``), lazy ones (inside functions) included."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                anchor = base.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                target = ".".join(anchor + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(name, node)
             for alias in node.names:
                 submodule = f"{target}.{alias.name}"
                 if submodule in MODULES:
@@ -146,7 +146,7 @@ def _imports_anywhere(name: str) -> list:
 def _room_graph() -> dict:
     graph: dict = {}
     for name in MODULES:
-        for target, _, _ in _imports_anywhere(name):
+        for target, _, _ in _imports_anywhere(name, _tree(name)):
             if target != FRONT_DOOR and name != FRONT_DOOR and room_of(target) != room_of(name):
                 graph.setdefault(room_of(name), set()).add(room_of(target))
     return graph
@@ -185,12 +185,13 @@ def test_no_private_name_crosses_rooms():
     """A name another room uses is that room's public name: no ``from ..x import _name``, no ``x._name``."""
     crossing = set()
     for name in MODULES:
-        imports = _imports_anywhere(name)
+        tree = _tree(name)
+        imports = _imports_anywhere(name, tree)
         for target, taken, _ in imports:
             if taken and taken.startswith("_") and not taken.startswith("__") and room_of(target) != room_of(name):
                 crossing.add(f"{name} imports {target}.{taken}")
         modules_by_alias = {alias: target for target, taken, alias in imports if taken is None}
-        for node in ast.walk(ast.parse(open(MODULES[name]).read())):
+        for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 target = modules_by_alias.get(node.value.id)
                 private = node.attr.startswith("_") and not node.attr.startswith("__")
@@ -199,8 +200,8 @@ def test_no_private_name_crosses_rooms():
     assert not crossing, "private names crossing rooms:\n" + "\n".join(sorted(crossing))
 
 def test_every_module_says_what_it_owns():
-    for name, path in MODULES.items():
-        doc = ast.get_docstring(ast.parse(open(path).read()))
+    for name in MODULES:
+        doc = ast.get_docstring(_tree(name))
         assert doc and len(doc) > 40, f"{name} has no docstring saying what it owns"
 
 
