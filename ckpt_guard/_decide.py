@@ -31,7 +31,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _state, _versions
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
 from ._drift import (
-    BINDINGS_INDEX, HOOKS_INDEX, anticipated_rule, capture_without_mode_records, checked_call, device_watched_call,
+    BINDINGS_INDEX, HOOKS_INDEX, TRANSFORMS_INDEX, anticipated_rule, capture_without_mode_records, checked_call, device_watched_call,
     reads_target, anticipate, anticipate_own_bindings, capture, report_drift,
     risk_visible,
 )
@@ -209,8 +209,8 @@ _getframe = sys._getframe
 _torch_compiler = _torch.compiler
 _peek_interpreter_stack = _state.peek_interpreter_stack
 _differs, _is_grad_enabled = _state.differs, _state.is_grad_enabled
-len_dispatch_stack = _state.len_dispatch_stack
-len_function_stack = _state.len_function_stack
+_len_dispatch_stack = _state.len_dispatch_stack
+_len_function_stack = _state.len_function_stack
 _saved_tensor_hooks_enabled = _state.saved_tensor_hooks_enabled
 _call_is_quiet = _state.call_is_quiet
 _rrelu_training = _state.rrelu_training
@@ -286,7 +286,7 @@ def prepare_call(
     # proxy modes on this thread's dispatch stack, so another thread's
     # compilation does not switch the guard off here.
     config = _config.current()
-    if not config.active or (_torch_compiler._is_compiling_flag and len_dispatch_stack()):
+    if not config.active or (_torch_compiler._is_compiling_flag and _len_dispatch_stack()):
         if config.active and _peek_interpreter_stack() is not None and not reentrant:
             return _compiling_under_a_transform(config, function)
         return NO_CHECKPOINT if config.plain else STEP_ASIDE
@@ -359,7 +359,7 @@ def prepare_call(
     guarded = _partial(
         checked_call, function, reentrant, config, forward_state, site, modes_managed, drew, reads, nested, kept
     )
-    if reentrant and len_function_stack():
+    if reentrant and _len_function_stack():
         guarded = _watch_device(guarded, function, config, forward_state, site)
     # set on the handle the patch point gets (a device watch above wraps the one prepared)
     if nested is not None:
@@ -472,7 +472,7 @@ def _input_versions(inputs: tuple) -> list:
     The tensors are held (torch's frame holds them too, until the backward), so that a write
     into one after the forward is seen even where the caller dropped its last name for it.
     """
-    if not len_function_stack():
+    if not _len_function_stack():
         return [(i, t, t._version) for i, t in enumerate(inputs) if type(t) is _Tensor and not _is_wrapped(t)]
     with _modes_off():  # a version read is a torch function: no mode of the user's sees the guard's
         return [(i, t, t._version) for i, t in enumerate(inputs) if type(t) is _Tensor and not _is_wrapped(t)]
@@ -659,7 +659,6 @@ _COMPOSABLE_DRIFT = frozenset({"module_training", "optimizer_steps"})
 # their places in a capture, read directly before each recompute
 _TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
 _STEPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "optimizer_steps")
-_TRANSFORMS_AT = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
 _module_training, _optimizer_steps = _state.module_training, _state.optimizer_steps
 
 
@@ -667,7 +666,7 @@ def _composable_state(training: Any, steps: int, transforms: Any = None) -> tupl
     """The drift state the composable recompute checks, as a capture has it, with the transforms the
     forward ran under for the message (the rest, as None: it may hold the call's tensors)."""
     state: list = [None] * len(DRIFT_RULES)
-    state[_TRAINING_INDEX], state[_STEPS_INDEX], state[_TRANSFORMS_AT] = training, steps, transforms
+    state[_TRAINING_INDEX], state[_STEPS_INDEX], state[TRANSFORMS_INDEX] = training, steps, transforms
     return tuple(state)
 
 
@@ -740,7 +739,7 @@ def composable_instead(
     them) nor where the recompute cannot be correct (``_composable.plan``).
     When chosen, this call's one warning and its events are emitted here.
     """
-    if (_torch_compiler._is_compiling_flag and len_dispatch_stack()) or _fx_tracing():
+    if (_torch_compiler._is_compiling_flag and _len_dispatch_stack()) or _fx_tracing():
         return None
     grad = _is_grad_enabled()
     inputs = args if reentrant else ()

@@ -115,7 +115,7 @@ _ANTICIPATED_INDICES = tuple(
     i for i, rule in enumerate(DRIFT_RULES)
     if rule.read in ("swapped_reads", "user_dispatch_modes", "user_function_modes", "transform_stack")
 )
-_TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
+TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
 _SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "swapped_reads")
 BINDINGS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_bindings")
 HOOKS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_hooks")
@@ -262,7 +262,7 @@ def _report_buffer_writes(
             _BUFFERS_RULE, config.policy_for(_BUFFERS_RULE.id), forward_site_text,
             site=describe_site(site_frame), forward_site=forward_site_text,
             checkpointed=describe_checkpointed(function),
-            transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+            transforms=_state.describe_transforms(forward_state[TRANSFORMS_INDEX]),
             variant=describe_variant(reentrant, None), source=config.source,
             change=f"the recompute updated {_state.describe_written(written)} a second time",
         )
@@ -312,7 +312,7 @@ def _reentrant_forward_keeping_the_cache(
         report_at_recompute(
             _CONTENTS_RULE, "fallback", forward_site_text, when="after the reentrant forward",
             site=forward_site_text, forward_site=forward_site_text, checkpointed=describe_checkpointed(function),
-            transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+            transforms=_state.describe_transforms(forward_state[TRANSFORMS_INDEX]),
             variant=describe_variant(True, None), source=config.source,
             change=(
                 f"{_state.describe_contents_change(contents)}, in a reentrant forward (under no_grad: what it put "
@@ -380,7 +380,7 @@ def _watch_output(
             _NESTED_RULE, policy, forward_site_text,
             repaired="handed the Function its outputs flat, rebuilt after (policy fallback)" if policy == "fallback" else "",
             site=forward_site_text, checkpointed=describe_checkpointed(function),
-            transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+            transforms=_state.describe_transforms(forward_state[TRANSFORMS_INDEX]),
             variant=describe_variant(True, None), source=config.source,
             change=f"the function returned a {type(output).__name__} holding tensors",
         )
@@ -437,7 +437,7 @@ def report_lost_device(function: Any, config: _config.Config, forward_state: tup
         checkpointed=describe_checkpointed(function),
         repaired=f"recomputing inside torch.device({str(device)!r}), the forward's device context (policy fallback)",
         site=describe_site(site_frame), forward_site=forward_site_text,
-        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+        transforms=_state.describe_transforms(forward_state[TRANSFORMS_INDEX]),
         variant=describe_variant(True, None), source=config.source,
         change=(
             f"the forward ran inside a {device} default device and made tensors without device=; "
@@ -548,7 +548,7 @@ def report_drift(
         return list(quiet.values())
     forward_site_text = describe_forward_site(site)
     site_frame, _ = user_frame(sys._getframe(1))
-    transforms = _state.describe_transforms(forward_state[_TRANSFORMS_INDEX])
+    transforms = _state.describe_transforms(forward_state[TRANSFORMS_INDEX])
     variant = describe_variant(reentrant, None)
     replays = list(quiet.values())
     for index in changed:
@@ -556,7 +556,8 @@ def report_drift(
         describe_change = _DRIFT_CHANGES[index]
         policy = config.policy_for(rule.id)
         replay = None
-        if policy == "fallback" and not (modes_managed and _set_by_a_context(index, was, now)):
+        by_a_context = modes_managed and _set_by_a_context(index, was, now)
+        if policy == "fallback" and not by_a_context:
             replay = _replay(rule, was, now, function, modes_managed, reentrant)
         report_at_recompute(
             rule, policy, forward_site_text,
@@ -565,7 +566,7 @@ def report_drift(
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
             change=_describe_change(describe_change, was, now, function, render) + (
-                _CONTEXT_NOTE if modes_managed and _set_by_a_context(index, was, now) else ""
+                _CONTEXT_NOTE if by_a_context else ""
             ),
             remedy=case_remedy(rule, was, now, repaired=bool(replay)),
             fallback_text=case_fallback(rule, was),
@@ -731,7 +732,7 @@ def report_unpreserved_rng(
         _RNG_RULE, config.policy_for(_RNG_RULE.id), forward_site_text, checkpointed=describe_checkpointed(function),
         repaired="recomputing with the forward's RNG state, which it preserved (policy fallback)",
         site=describe_site(site_frame), forward_site=forward_site_text,
-        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+        transforms=_state.describe_transforms(forward_state[TRANSFORMS_INDEX]),
         variant=describe_variant(reentrant, None), source=config.source,
         change="the forward drew random numbers; preserve_rng_state=False lets the recompute draw new ones",
     )
@@ -842,7 +843,7 @@ def _run_plainly_for(
     message = build_message(
         rule, site=site, checkpointed=describe_checkpointed(function, site_frame),
         from_your_code=describe_site(your_code(site_frame)),
-        transforms=_state.describe_transforms(forward_state[_TRANSFORMS_INDEX]),
+        transforms=_state.describe_transforms(forward_state[TRANSFORMS_INDEX]),
         variant=describe_variant(reentrant, None), policy="fallback", source=config.source,
         anticipated=True, worked=True, action=action, **extra,
     )

@@ -13,8 +13,12 @@ Torch-free: ``_patch`` reads it before torch is imported.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import pathlib
+import sys
+import threading
 from typing import Any
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -56,7 +60,9 @@ WALKED_OVER = OWN | frozenset(
 )
 #: the standard library's helpers that sit between a user's call and checkpoint (functools.partial,
 #: contextlib decorators, threads), by their own paths: a user file named my_functools.py is the user's
-_STDLIB_HELPERS = ("contextlib", "functools", "threading")
+_STDLIB_HELPER_FILES = frozenset(
+    os.path.abspath(module.__file__) for module in (contextlib, functools, threading) if module.__file__
+)
 
 # id(code object) -> (the code object, is it library code?).  Keyed by identity: hashing a code
 # object hashes its constants, and dynamo's rewritten code can hold a dict (unhashable).  The entry
@@ -72,16 +78,9 @@ def is_library_code(code: Any) -> bool:
     """Torch's, the guard's or a standard-library helper's code (cached per code object: hot path)."""
     known = library_codes.get(id(code))
     if known is None or known[0] is not code:
-        if not _skipped:
-            import importlib
-            import sys
-
+        if not _skipped:  # torch's folder is read once torch is imported (this file is torch-free)
             torch_file = sys.modules["torch"].__file__ or ""
-            helpers = frozenset(
-                os.path.abspath(module.__file__)
-                for module in map(importlib.import_module, _STDLIB_HELPERS) if module.__file__
-            )
-            _skipped.append((os.path.dirname(os.path.abspath(torch_file)) + os.sep, helpers))
+            _skipped.append((os.path.dirname(os.path.abspath(torch_file)) + os.sep, _STDLIB_HELPER_FILES))
         torch_dir, helpers = _skipped[0]
         if len(library_codes) >= CACHE_LIMIT:
             library_codes.clear()
