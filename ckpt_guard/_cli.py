@@ -370,6 +370,7 @@ def _cmd_explain(rule_id: str) -> int:
         raise UsageError(f"unknown rule id {_config.shown(rule_id)}; valid rule ids: {', '.join(RULE_IDS)}")
     stage = {
         "call": "call (decided when checkpoint is called)",
+        "transform": "transform (decided when a torch.func transform is entered, before any checkpoint call)",
         "recompute": "recompute (checked when the backward recomputes the block)",
     }.get(rule.stage, rule.stage)
     symptoms = ", ".join(f"{v}: {rule.symptom_for(v)}" for v in rule.variants)

@@ -1,7 +1,7 @@
-"""The guard's two hooks inside torch code that ``torch.compile`` traces.
+"""The guard's hooks inside torch code that ``torch.compile`` traces.
 
 Every other file of the guard is skipped by dynamo (``_patch`` tells it so),
-as torch's own checkpoint internals are.  These two run inside code dynamo
+as torch's own checkpoint internals are.  These run inside code dynamo
 compiles, so they are written to be traced:
 
 * :func:`make_tracked_reparametrize` wraps the generator behind
@@ -10,7 +10,10 @@ compiles, so they are written to be traced:
   where that swap is a class, :func:`make_tracked_swap_methods` its
   ``__enter__`` / ``__exit__``;
 * :func:`note_step` stands in for ``Optimizer._optimizer_step_code``, the
-  empty method every optimizer step calls after updating.
+  empty method every optimizer step calls after updating;
+* :func:`make_watched_hooks_disable` wraps the generator behind
+  ``torch.autograd.graph.disable_saved_tensors_hooks``, which torch.func's grad
+  transforms enter (dynamo models that context manager itself, by identity).
 
 Under dynamo ``torch.compiler.is_dynamo_compiling()`` reads True (eager code,
 even while another thread compiles, reads False) and they do exactly what
@@ -57,6 +60,39 @@ def make_tracked_reparametrize(original_generator: Callable[..., Iterator[Any]])
 
     tracked_reparametrize.__ckpt_guard_original__ = original_generator  # type: ignore[attr-defined]
     return tracked_reparametrize
+
+
+def make_watched_hooks_disable(original_generator: Callable[[str], Iterator[None]]) -> Callable[[str], Iterator[None]]:
+    """Wrap the generator behind ``torch.autograd.graph.disable_saved_tensors_hooks`` (CKG012).
+
+    torch.func's grad transforms enter it at their entry; it refuses when saved-tensor
+    hooks are registered (``save_on_cpu`` around the transform).  Only that refusal is
+    handed to ``_transform_entry``; otherwise this is torch's generator, one frame more.
+    ``_patch`` puts it into the closure cell of torch's ``@contextmanager`` wrapper, so
+    the function dynamo recognises (and models itself, never running this) stays torch's.
+    """
+
+    @functools.wraps(original_generator)
+    def disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+        inner = original_generator(error_message)
+        put_back = None
+        try:
+            next(inner)
+        except RuntimeError as refusal:
+            if torch.compiler.is_dynamo_compiling():
+                raise
+            from . import _transform_entry
+
+            inner, put_back = _transform_entry.entered_despite(error_message, refusal, original_generator)
+        try:
+            yield
+        finally:
+            inner.close()  # torch's own exit: the hooks' previous state back
+            if put_back is not None:
+                put_back()
+
+    disable_saved_tensors_hooks.__ckpt_guard_original__ = original_generator  # type: ignore[attr-defined]
+    return disable_saved_tensors_hooks
 
 
 def make_tracked_swap_methods(swap_class: type) -> tuple:

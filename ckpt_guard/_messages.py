@@ -285,14 +285,16 @@ def build_message(
     symptom: str = "",
     fallback_text: str = "",
     saving_kept: bool = False,
+    site_label: str = "checkpoint called at",
 ) -> str:
     # anticipated: fallback acted on a risk seen at call time; nothing has gone wrong yet
+    # site_label: what ``site`` is, where it is not a checkpoint call (a transform's entry)
     lines = [f"[{rule.id}] {'risk: ' if anticipated else ''}{rule.title}"]
     if forward_site:
         lines.append(f"  checkpoint called at: {forward_site}")
         lines.append(f"  recompute reached from: {site}")
     else:
-        lines.append(f"  checkpoint called at: {site}")
+        lines.append(f"  {site_label}: {site}")
     if checkpointed:
         lines.append(f"  checkpointed: {checkpointed}")
     if from_your_code and from_your_code != site:

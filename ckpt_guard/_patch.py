@@ -32,6 +32,9 @@ Smaller patches feed the messages and the drift rules:
   swap behind ``torch.func.functional_call``) is wrapped through the closure
   cell of its ``@contextmanager`` wrapper, so parameter swaps become visible
   while the function object dynamo recognises stays the same;
+* the generator inside ``torch.autograd.graph.disable_saved_tensors_hooks``
+  (torch.func's grad transforms enter it) is wrapped the same way, so that
+  torch's refusal of offload hooks at a transform's entry is decided by CKG012;
 * ``Optimizer._optimizer_step_code`` (empty, called after every step) counts
   optimizer steps and what they updated (CKG108);
 * transformers' checkpointing glue (``_huggingface``): its input-require-grads
@@ -235,13 +238,37 @@ def _restore_late_copy(attribute: str, guarded: Any, original: Any) -> None:
         setattr(composable, attribute, original)
 
 
+def _generator_cell(context_manager: Any) -> Any:
+    """The closure cell of a ``@contextmanager`` function that holds its generator function.
+
+    Swapping what the cell holds changes what the context manager runs while the
+    function object (which dynamo recognises by identity) stays torch's.
+    """
+    closure = getattr(context_manager, "__closure__", None)
+    if not closure:
+        raise TypeError("it is not a @contextmanager")
+    cell = closure[0]
+    if not inspect.isgeneratorfunction(cell.cell_contents):
+        raise TypeError("its @contextmanager closure does not hold a generator function")
+    return cell
+
+
+def _swap_generator(cell: Any, wrap: Callable[[Any], Any]) -> None:
+    original = cell.cell_contents
+    cell.cell_contents = wrap(original)
+
+    def restore() -> None:
+        cell.cell_contents = original
+
+    _applied.append(restore)
+
+
 def _patch_reparametrize() -> None:
     """Make ``functional_call``'s parameter swaps visible (CKG101).
 
     torch 2.5–2.6: ``_reparametrize_module`` returns a ``_ReparametrizeModule``
     instance, whose ``__enter__`` / ``__exit__`` are wrapped.  Other releases:
-    it is a ``@contextmanager`` whose generator is swapped in its closure cell,
-    which keeps the function object dynamo recognises by identity.
+    it is a ``@contextmanager`` whose generator is swapped in its closure cell.
     """
     from . import _hooks
 
@@ -255,22 +282,31 @@ def _patch_reparametrize() -> None:
             _set_attr(swap_class, "__enter__", enter)
             _set_attr(swap_class, "__exit__", exit_)
             return
-        closure = stateless._reparametrize_module.__closure__
-        if not closure:
-            raise TypeError("it is neither a @contextmanager nor a _ReparametrizeModule factory")
-        cell = closure[0]
-        original = cell.cell_contents
-        if not inspect.isgeneratorfunction(original):
-            raise TypeError("its @contextmanager closure does not hold a generator function")
+        cell = _generator_cell(stateless._reparametrize_module)
     except (ImportError, AttributeError, TypeError, IndexError, ValueError) as exc:
         _warn_unguarded(what, str(exc), "functional_call parameter swaps (CKG101)")
         return
-    cell.cell_contents = _hooks.make_tracked_reparametrize(original)
+    _swap_generator(cell, _hooks.make_tracked_reparametrize)
 
-    def restore() -> None:
-        cell.cell_contents = original
 
-    _applied.append(restore)
+def _watch_transform_entry() -> None:
+    """Make torch.func's refusal of offload hooks at a transform's entry the guard's to decide (CKG012).
+
+    ``torch.autograd.graph.disable_saved_tensors_hooks`` is a ``@contextmanager``
+    whose generator is swapped in its closure cell: the function functorch's
+    decorator calls (and dynamo recognises) stays torch's.
+    """
+    from . import _hooks
+
+    what = "torch.autograd.graph.disable_saved_tensors_hooks"
+    try:
+        import torch.autograd.graph as graph
+
+        cell = _generator_cell(graph.disable_saved_tensors_hooks)
+    except (ImportError, AttributeError, TypeError, IndexError, ValueError) as exc:
+        _warn_unguarded(what, str(exc), "activation offload around a torch.func transform (CKG012)")
+        return
+    _swap_generator(cell, _hooks.make_watched_hooks_disable)
 
 
 def _watch_optimizer_steps() -> None:
@@ -365,6 +401,7 @@ def _apply_patches() -> None:
             _refuse_or_warn_unsupported()
             return
         _patch_reparametrize()
+        _watch_transform_entry()
         _watch_optimizer_steps()
         _patch_huggingface()
         _skip_in_dynamo()

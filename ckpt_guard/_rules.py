@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Rule", "RULES", "CALL_RULES", "DRIFT_RULES", "RNG_RULE", "DEVICE_RULE", "NESTED_OUTPUT_RULE", "BUFFER_WRITES_RULE",
+    "OFFLOAD_RULE",
     "RULE_IDS",
     "rule_by_id", "rules_on",
 ]
@@ -52,7 +53,7 @@ class Rule:
 
     id: str
     title: str
-    stage: str  # "call" (decided when checkpoint is called) or "recompute"
+    stage: str  # "call" (decided when checkpoint is called), "recompute", or "transform" (at a torch.func transform's entry)
     variants: tuple[str, ...]  # which checkpoint variants the rule is about
     trigger: str
     symptom: str  # what torch does without the guard, in words
@@ -1686,9 +1687,78 @@ BUFFER_WRITES_RULE = Rule(
     repaired_quietly=True,
 )
 
+def _probe_offload_around_transform(ckpt, use_reentrant):
+    """Per-sample gradients by ``vmap(grad)``, the block checkpointed, activations offloaded by
+    ``save_on_cpu`` around the transform (what a user adds for memory).
+
+    Offload changes no value, and torch refuses it here with or without checkpointing, so the
+    uncheckpointed reference (a plain call named ``no_checkpoint``, as the reproduction script's)
+    runs without the offload too: the gradients the program means.
+    """
+    import contextlib
+
+    import torch
+    from torch.func import grad, vmap
+
+    torch.manual_seed(0)
+    w, xs = torch.randn(3, 3), torch.randn(4, 3)
+
+    def loss(w, x):
+        return ckpt(lambda u: torch.tanh(u @ w), x, **_variant_kwargs(use_reentrant)).pow(2).sum()
+
+    reference = getattr(ckpt, "__name__", "") in ("no_checkpoint", "_reference_checkpoint")
+    with contextlib.nullcontext() if reference else torch.autograd.graph.save_on_cpu(pin_memory=False):
+        return [vmap(grad(loss), in_dims=(None, 0))(w, xs)]
+
+
+# Not a checkpoint call: decided where a torch.func transform is entered (``_transform_entry``).
+OFFLOAD_RULE = Rule(
+    id="CKG012",
+    title="activation offload (save_on_cpu) around a torch.func transform: torch refuses it at the transform's entry",
+    stage="transform",
+    variants=(REENTRANT, NON_REENTRANT),
+    trigger=(
+        "a torch.func transform entered inside torch.autograd.graph.save_on_cpu(...) or any "
+        "saved_tensors_hooks(...) (a library's offload): grad, vjp, jacrev, hessian and vmap(grad) on "
+        "every torch; vmap, jvp and jacfwd too on torch 2.4. Checkpointed blocks inside or not: "
+        "torch refuses it before the first one runs"
+    ),
+    symptom=(
+        "raises 'torch.func... don't yet support saved tensor hooks. Please open an issue with your "
+        "use case' at the transform's entry, naming neither the offload nor what works instead"
+    ),
+    symptom_kind="raises",
+    raises_match=r"don't yet support saved tensor hooks",
+    remedy=(
+        "offload under the transform through a save policy of ckpt_guard.checkpoint: "
+        "ckpt_guard.checkpoint(block, x, context_fn=ckpt_guard.checkpoint_policies.context_fn("
+        "ckpt_guard.checkpoint_policies.offload_dots)) keeps each checkpointed block's matrix products "
+        "as CPU copies (torch >= 2.5; elsewhere ckpt_guard.checkpoint alone keeps the memory saving), "
+        "and take save_on_cpu off the transform (it may stay around an eager .backward() step)"
+    ),
+    fallback=(
+        "sets the offload hooks aside while the transform runs (torch >= 2.8, which can read them): "
+        "correct, nothing inside the transform is offloaded, its checkpointed blocks keep their saving"
+    ),
+    refs=(
+        "https://github.com/pytorch/pytorch/issues/122729",
+        "https://github.com/pytorch/pytorch/issues/141845",
+        "https://github.com/pytorch/pytorch/pull/187316",
+        "https://github.com/pytorch/pytorch/pull/131191",
+        "https://github.com/pytorch/functorch/issues/1027",
+    ),
+    torch_note=(
+        "functorch's grad transforms switch saved-tensor hooks off for their body and refuse a "
+        "non-empty hooks stack at entry (since 2022); torch 2.5 lifted it for vmap and jvp "
+        "(pytorch#131191); scoping it to higher orders is proposed, not merged (pytorch#187316)"
+    ),
+    probe=_probe_offload_around_transform,
+    measured_on=("2.4.1", "2.13.0", "2.15.0"),
+)
+
 #: Every rule, in id order (how the CLI and the docs list them), for every supported torch.
 RULES: tuple[Rule, ...] = tuple(sorted(
-    _CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE, NESTED_OUTPUT_RULE, BUFFER_WRITES_RULE], key=lambda rule: rule.id
+    _CALL_RULES + _DRIFT_RULES + [RNG_RULE, DEVICE_RULE, NESTED_OUTPUT_RULE, BUFFER_WRITES_RULE, OFFLOAD_RULE], key=lambda rule: rule.id
 ))
 CALL_RULES: tuple[Rule, ...] = tuple(_CALL_RULES)
 #: Recompute rules decided by comparing state captured in the forward and at recompute.

@@ -371,7 +371,7 @@ def test_rule_table_is_complete():
         for attribute in ("id", "title", "trigger", "symptom", "remedy", "torch_versions", "fallback"):
             assert getattr(rule, attribute), (rule.id, attribute)
         assert rule.symptom_kind in ("raises", "silently wrong")
-        assert rule.stage in ("call", "recompute")
+        assert rule.stage in ("call", "recompute", "transform")
         assert rule.raises_match or all(rule.symptom_for(v) != "raises" for v in rule.variants)
 
 

@@ -233,31 +233,8 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
 
 
-_top_hooks = _state.top_saved_tensor_hooks  # torch >= 2.8
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-
-
-def _hooks_set_aside() -> List[Any]:
-    """The user's saved-tensor hooks, popped off torch's stack, innermost first (see :func:`vjp`).
-
-    Stock torch switches them off under its grad transforms, so none is registered here; a torch
-    patched to allow them at first order (JetBrains' opaque) lets ``save_on_cpu`` around
-    ``vmap(grad(f))`` reach the recompute, whose own level would count as a second order and raise.
-    What checkpointing keeps (the inputs, saved at the caller's level) still goes through them; the
-    recompute's own tensors live only while it runs and are not theirs to offload.
-    """
-    aside: List[Any] = []
-    if _top_hooks is not None:
-        while (top := _top_hooks()) is not None:
-            aside.append(top)
-            _pop_hooks()
-    return aside
-
-
-def _hooks_put_back(aside: List[Any]) -> None:
-    for pack, unpack in reversed(aside):
-        _push_hooks(pack, unpack)
+_hooks_set_aside = _state.hooks_set_aside  # the user's hooks, off the recompute's own level (see vjp)
+_hooks_put_back = _state.hooks_put_back
 
 
 def _hooks_back(previous: Any) -> None:

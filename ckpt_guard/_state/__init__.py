@@ -70,6 +70,8 @@ from .basics import (  # noqa: F401
     requires_grad_of,
     saved_tensor_hooks_enabled,
     top_saved_tensor_hooks,
+    hooks_set_aside,
+    hooks_put_back,
     vmap_switches_saved_tensor_hooks_off,
 )
 from .transforms import (  # noqa: F401

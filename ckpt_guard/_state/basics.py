@@ -7,7 +7,7 @@ May not touch: anything stateful; every reader may import from here, this import
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.utils.checkpoint  # torch 2.4's `import torch` does not import it
@@ -60,6 +60,31 @@ def vmap_switches_saved_tensor_hooks_off() -> bool:
 #: ``save_on_cpu``, a library's offload, torch's own recompute hooks); None on torch 2.4-2.7, which
 #: cannot tell
 top_saved_tensor_hooks: Optional[Callable[[], Any]] = _top_hooks_reader()
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def hooks_set_aside() -> List[Any]:
+    """The saved-tensor hooks registered now (the user's ``save_on_cpu``), popped off torch's stack,
+    innermost first, for :func:`hooks_put_back`; nothing on torch 2.4-2.7, which cannot read them back.
+
+    Where a grad level the user did not write must run without them: the composable recompute's own
+    level (a torch patched to allow hooks at first order would count it as a second order), and
+    fallback's way through a transform that stock torch refuses to enter under them (CKG012).
+    """
+    aside: List[Any] = []
+    if top_saved_tensor_hooks is not None:
+        while (top := top_saved_tensor_hooks()) is not None:
+            aside.append(top)
+            _pop_hooks()
+    return aside
+
+
+def hooks_put_back(aside: List[Any]) -> None:
+    """Undo :func:`hooks_set_aside`: the same hooks, in their order."""
+    for pack, unpack in reversed(aside):
+        _push_hooks(pack, unpack)
+
 Tensor = torch.Tensor
 Module = torch.nn.Module
 _GONE = object()
