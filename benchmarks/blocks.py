@@ -4,6 +4,7 @@
     python benchmarks/blocks.py --quick     # smoke run
     python benchmarks/blocks.py --profile   # cProfile of the tiny grad step (what the time goes to)
     python benchmarks/blocks.py --rows 1024 # the residual small blocks with 1024 rows, grad only
+    python benchmarks/blocks.py --compiled  # each block torch.compile'd (inductor; --backend to change)
 
 One process, one thread.  Four steps per model, taking turns (the machine's
 drift cancels), the fastest of ``--repeat`` rounds each:
@@ -25,6 +26,15 @@ time as a ratio of its uncheckpointed one.  The tiny model (8 x ``Linear(8, 8)``
 4 rows) makes the ops nearly free, so what is added is fixed cost; the
 residual models are the README's (2 x ``Linear(256)`` + tanh per block) at the
 sizes of ``benchmarks/memory.py``.
+
+``--compiled`` (issue 47, item 3): every block ``torch.compile``'d on its own, the
+residual small model, the same steps side by side with the eager blocks'.  Under a
+``.backward()`` step the compiled code runs (plainly, and inside torch's checkpoint);
+under an eager ``grad`` torch itself runs a compiled function's code eagerly
+("Calling torch.func.grad(compiled_fn) function from eager mode is not supported",
+pytorch#128711), checkpointed or not, so there the compiled blocks cost what the eager
+ones do, and ``ckpt_guard.checkpoint`` adds what it adds to eager blocks.  The lines
+printed say both, measured.
 
 This is a report, not a test: it exits 0 whatever the numbers are.
 """
@@ -134,6 +144,89 @@ def measure(torch, model, x, repeat, inner, per_sample=True):
     return best
 
 
+def compiled_steps(torch, model, x, backend):
+    """The eager and grad steps with eager blocks, and the same with each block ``torch.compile``'d
+    (a separate compiled module per block: the blocks keep their own parameters)."""
+    import ckpt_guard
+    from torch.func import grad
+    from torch.utils.checkpoint import checkpoint
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    eager_blocks = list(model.blocks)
+    compiled_blocks = [torch.compile(block, backend=backend) for block in eager_blocks]
+    eager_ckpt = lambda block, h: checkpoint(block, h, use_reentrant=False)  # noqa: E731
+
+    def run(blocks, ckpt, h):
+        for block in blocks:
+            h = block(h) if ckpt is None else ckpt(block, h)
+        return h.pow(2).mean()
+
+    def eager(blocks, ckpt):
+        def step():
+            model.zero_grad(set_to_none=True)
+            run(blocks, ckpt, x).backward()
+        return step
+
+    def under_grad(blocks, ckpt):
+        def loss(p):
+            with torch.nn.utils.stateless._reparametrize_module(model, p):  # functional_call's swap, kept
+                return run(blocks, ckpt, x)
+        g = grad(loss)
+        return lambda: g(params)
+
+    found = {}
+    for label, blocks in (("eager blocks", eager_blocks), ("compiled blocks", compiled_blocks)):
+        found[f"eager, {label}"] = eager(blocks, None)
+        found[f"eager checkpoint, {label}"] = eager(blocks, eager_ckpt)
+        found[f"grad, {label}"] = under_grad(blocks, None)
+        found[f"grad, {label}, ckpt_guard.checkpoint"] = under_grad(blocks, ckpt_guard.checkpoint)
+    return found
+
+
+def report_compiled(torch, repeat, backend, quick):
+    """``--compiled``: the residual small model, eager blocks against compiled ones, side by side."""
+    from torch._dynamo.utils import counters
+
+    name, spec = next((n, s) for n, s in MODELS.items() if "small" in n)
+    if quick:
+        spec = {**spec, "depth": 2, "rows": 16}
+        name = f"residual: 2 x 2 x Linear({spec['width']}), 16 rows"
+    model, x = build(torch, **spec)
+    runs = compiled_steps(torch, model, x, backend)
+    started = time.perf_counter()
+    gradients = {step: run() for step, run in runs.items()}  # warm-up: the compiles happen here
+    compiling = time.perf_counter() - started
+    reference = gradients["grad, eager blocks"]
+    equal = all(
+        torch.allclose(got[k], reference[k], rtol=1e-4, atol=1e-6) for step, got in gradients.items()
+        if step.startswith("grad") for k in reference
+    )
+    best = {step: float("inf") for step in runs}
+    for _ in range(repeat):
+        for step, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(5):
+                run()
+            best[step] = min(best[step], (time.perf_counter() - t0) / 5)
+    depth = spec["depth"]
+    refused = sum(v for k, v in counters["unimplemented"].items() if "torch.func.grad(compiled_fn)" in k)
+    print(f"\n{name}, each block torch.compile'd (backend {backend!r}; warm-up and compiles {compiling:.0f} s)")
+    for step, seconds in best.items():
+        print(f"  {step:48} {seconds * 1e3:9.3f} ms")
+    for label in ("eager blocks", "compiled blocks"):
+        eager_added = (best[f"eager checkpoint, {label}"] - best[f"eager, {label}"]) / depth
+        added = (best[f"grad, {label}, ckpt_guard.checkpoint"] - best[f"grad, {label}"]) / depth
+        print(f"  {label:15}: torch's eager checkpoint adds {eager_added * 1e6:8.1f} µs per block, "
+              f"ckpt_guard.checkpoint under grad {added * 1e6:8.1f} µs")
+    print(f"  compiling the blocks: the .backward() step {best['eager, compiled blocks'] / best['eager, eager blocks']:.2f}x, "
+          f"the grad step {best['grad, compiled blocks'] / best['grad, eager blocks']:.2f}x, "
+          f"the checkpointed grad step {best['grad, compiled blocks, ckpt_guard.checkpoint'] / best['grad, eager blocks, ckpt_guard.checkpoint']:.2f}x "
+          "of the same with eager blocks")
+    print(f"  gradients equal across the grad steps: {'yes' if equal else 'NO'}")
+    print(f"  under grad, dynamo declined the compiled blocks {refused} time(s): 'Calling torch.func.grad(compiled_fn) "
+          "from eager mode is not supported' (pytorch#128711), checkpointed or not")
+
+
 MODELS = {
     "tiny: 8 x Linear(8, 8), 4 rows": dict(width=8, depth=8, rows=4, residual=False),
     "residual, small: 6 x 2 x Linear(256), 64 rows": dict(width=256, depth=6, rows=64, residual=True),
@@ -151,6 +244,8 @@ def main() -> int:
         "--rows", type=int, help="only the residual small blocks, with this many rows, under grad (where a save "
         "policy's saving grows with the matmuls; per-sample gradients of every row would take gigabytes)",
     )
+    parser.add_argument("--compiled", action="store_true", help="each block torch.compile'd, against eager blocks")
+    parser.add_argument("--backend", default="inductor", help="with --compiled: torch.compile's backend")
     args = parser.parse_args()
     import warnings
 
@@ -174,6 +269,9 @@ def main() -> int:
         return 0
     repeat = 3 if args.quick else args.repeat
     print(f"torch {torch.__version__}, one thread, fastest of {repeat} rounds, steps taking turns")
+    if args.compiled:
+        report_compiled(torch, repeat, args.backend, args.quick)
+        return 0
     models = MODELS
     if args.rows is not None:
         small = next(spec for name, spec in MODELS.items() if "small" in name)

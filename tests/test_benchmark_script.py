@@ -120,6 +120,25 @@ def test_blocks_rows_runs_the_residual_blocks_under_grad_only():
     assert ("with matmuls saved" in out) == hasattr(tuc, "create_selective_checkpoint_contexts"), out
 
 
+def test_blocks_compiled_sets_compiled_blocks_beside_eager_ones():
+    """``benchmarks/blocks.py --compiled`` (issue 47, item 3): each block ``torch.compile``'d, the same
+    steps side by side with eager blocks, the grad steps' gradients equal (backend aot_eager here:
+    inductor's compiles take minutes on CI's cores; the benchmark's default is inductor)."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "blocks.py"), "--compiled", "--quick",
+         "--backend", "aot_eager"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for step in ("eager", "eager checkpoint", "grad", "grad, {}, ckpt_guard.checkpoint"):
+        for blocks in ("eager blocks", "compiled blocks"):
+            label = step.format(blocks) if "{}" in step else f"{step}, {blocks}"
+            assert f"  {label} " in out, (label, out)
+    assert "gradients equal across the grad steps: yes" in out, out
+    assert "compiling the blocks: the .backward() step" in out, out
+
+
 def test_offload_with_checkpointing_keeps_checkpointings_saving():
     """benchmarks/offload.py: on a torch patched to allow saved-tensor hooks under vmap(grad), offload
     and ckpt_guard.checkpoint together peak below offload alone (checkpointing's saving is kept);
