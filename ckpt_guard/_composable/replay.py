@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -211,9 +212,9 @@ def _compiled_code_eager() -> Any:
 
     Dynamo traces the run-time proof's mode and cannot make fake tensors of
     torch.func's wrappers under it; and a compiled recompute under torch.func
-    runs frame by frame anyway.  The values are the same.  The stance is
-    process-wide: while a block runs, another thread's compiled code runs
-    eagerly too.
+    runs frame by frame anyway.  The values are the same.  The stance is the
+    block's thread's (:class:`_ThreadEagerStance`): another thread's compiled
+    code keeps its compiled speed meanwhile.
     """
     if "torch._dynamo" not in sys.modules:
         return _NO_CONTEXT
@@ -248,51 +249,77 @@ def _set_eval_frame(callback: Any) -> Any:
     return torch._C._dynamo.eval_frame.set_eval_frame(callback)
 
 
-class _SharedEagerStance:
-    """``set_stance("force_eager")`` shared by every block running now, on any thread: the first in
-    sets it, the last out puts back what was there (set_stance itself restores in its own order,
-    which two threads interleave).
+class _Forced(threading.local):
+    depth = 0  # blocks running on this thread with their compiled code eager
 
-    Set through dynamo's own ``_set_stance`` with the force_eager stance made
-    once, where torch has it: ``torch.compiler.set_stance`` builds and checks
-    a stance object per call, and a block enters this twice per step (its
-    forward and its recompute).
+
+_forced = _Forced()
+
+
+class _PerThreadStance:
+    """Dynamo's stance as each thread reads it while blocks run: ``"force_eager"`` on a thread running
+    one, the stance that was set everywhere else.  Dynamo only reads attributes of its stance
+    (``.stance``, ``.backend``, ``.skip_guard_eval_unsafe``), each here the set stance's but ``stance``."""
+
+    __slots__ = ("prior",)
+
+    def __init__(self, prior: Any) -> None:
+        self.prior = prior
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "stance" and _forced.depth:
+            return "force_eager"
+        return getattr(self.prior, name)
+
+
+class _ThreadEagerStance:
+    """``force_eager`` for the threads running a block, and only for them.
+
+    While any block runs, dynamo's stance is a :class:`_PerThreadStance` over the stance that was
+    set: the first block in (on any thread) puts it in, the last out puts the set one back (unless
+    the program set another meanwhile).  Another thread's compiled code keeps compiling.  Where
+    dynamo keeps no ``_stance`` to read (a torch that moved it), ``torch.compiler.set_stance``,
+    which is process-wide.
     """
 
     def __init__(self) -> None:
-        self.lock = __import__("threading").Lock()
+        self.lock = threading.Lock()
         self.users = 0
         self.undo: Any = None
-        self.force_eager: Any = None  # dynamo's force_eager stance object, once made
 
     def __enter__(self) -> None:
+        _forced.depth += 1
         with self.lock:
             if self.users == 0:
                 self.undo = self._set()
             self.users += 1
 
     def __exit__(self, *exc: Any) -> None:
+        _forced.depth -= 1
         with self.lock:
             self.users -= 1
             if self.users == 0:
                 undo, self.undo = self.undo, None
                 undo()
 
-    def _set(self) -> Callable[[], Any]:
-        """Set the stance; returns what undoes it.  The first time (or where dynamo has no
-        ``_set_stance``) through ``torch.compiler.set_stance``, keeping the stance object it made."""
+    @staticmethod
+    def _set() -> Callable[[], Any]:
+        """Put the per-thread stance in; returns what takes it out."""
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        set_raw = getattr(eval_frame, "_set_stance", None)
-        if set_raw is None or self.force_eager is None:
+        if not hasattr(eval_frame, "_stance"):
             stance = _SET_STANCE("force_eager")
             stance.__enter__()
-            if set_raw is not None:
-                self.force_eager = getattr(eval_frame, "_stance", None)
             return lambda: stance.__exit__(None, None, None)
         # what dynamo's _set_stance does, past its check that no torch.compile region is running (none
         # is: the composable recompute is never traced); that check imports its C reader per call
-        prior, eval_frame._stance = eval_frame._stance, self.force_eager
-        return lambda: setattr(eval_frame, "_stance", prior)
+        proxy = _PerThreadStance(eval_frame._stance)
+        eval_frame._stance = proxy
+
+        def undo() -> None:
+            if eval_frame._stance is proxy:
+                eval_frame._stance = proxy.prior
+
+        return undo
 
 
-_EAGER_STANCE = _SharedEagerStance()
+_EAGER_STANCE = _ThreadEagerStance()
