@@ -30,15 +30,18 @@ import torch.utils.checkpoint as _torch_checkpoint
 
 from . import _composable, _config, _events, _state, _versions
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
+from ._drift_kinds import (
+    BINDINGS_INDEX, DRIFT_KINDS, HOOKS_INDEX, STEPS_INDEX, SWAPS_INDEX, TRAINING_INDEX, TRANSFORMS_INDEX,
+)
 from ._drift import (
-    BINDINGS_INDEX, HOOKS_INDEX, TRANSFORMS_INDEX, anticipated_rule, capture_without_mode_records, checked_call, device_watched_call,
+    anticipated_rule, capture_without_mode_records, checked_call, device_watched_call,
     reads_target, anticipate, anticipate_own_bindings, capture, report_drift,
     risk_visible,
 )
 from ._exceptions import CheckpointCompositionError
 from ._layouts import kept_inputs
 from ._messages import (
-    CACHE_LIMIT, call_case_remedy, case_symptom, is_library_code, library_codes, emit_warning, with_refusal,
+    CACHE_LIMIT, call_case_remedy, is_library_code, library_codes, emit_warning, with_refusal,
     build_message, describe_checkpointed, describe_site, describe_variant, use_reentrant_defaulted,
     user_frame, your_code,
 )
@@ -353,7 +356,7 @@ def prepare_call(
     # CKG010: where fallback records the structure of a nested output it flattened
     nested = [None] if reentrant and config.policy_for(_NESTED_RULE.id) != "off" else None
     # CKG117: the buffers of its modules in training mode, kept as the call found them (copy on write)
-    kept = _kept_buffers(reads, forward_state[_TRAINING_INDEX], bindings) if _BUFFERS_WATCHED and config.policy_for(
+    kept = _kept_buffers(reads, forward_state[TRAINING_INDEX], bindings) if _BUFFERS_WATCHED and config.policy_for(
         _BUFFERS_RULE.id
     ) != "off" else None
     guarded = _partial(
@@ -654,11 +657,12 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
 # What the composable recompute cannot undo: it replays the RNG, the default
 # dtype and autocast, and reads the tensors it lifted (swaps do not reach it),
 # but a train/eval switch or an optimizer step changes what it computes.
-_COMPOSABLE_DRIFT = frozenset({"module_training", "optimizer_steps"})
+#: what fallback runs as the composable recompute where only its risk shows at the call
+_SWAP_OR_TRANSFORMS = frozenset(DRIFT_RULES[i].id for i in (SWAPS_INDEX, TRANSFORMS_INDEX))
+_TRANSFORMS_ID = DRIFT_RULES[TRANSFORMS_INDEX].id
 
-# their places in a capture, read directly before each recompute
-_TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
-_STEPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "optimizer_steps")
+# (their places in a capture, read directly before each recompute)
+_COMPOSABLE_DRIFT = frozenset({TRAINING_INDEX, STEPS_INDEX})
 _module_training, _optimizer_steps = _state.module_training, _state.optimizer_steps
 
 
@@ -666,7 +670,7 @@ def _composable_state(training: Any, steps: int, transforms: Any = None) -> tupl
     """The drift state the composable recompute checks, as a capture has it, with the transforms the
     forward ran under for the message (the rest, as None: it may hold the call's tensors)."""
     state: list = [None] * len(DRIFT_RULES)
-    state[_TRAINING_INDEX], state[_STEPS_INDEX], state[TRANSFORMS_INDEX] = training, steps, transforms
+    state[TRAINING_INDEX], state[STEPS_INDEX], state[TRANSFORMS_INDEX] = training, steps, transforms
     return tuple(state)
 
 
@@ -756,7 +760,7 @@ def composable_instead(
             return None  # nothing will be recomputed, or the user switched off the rule for this
         # only swaps and transforms matter here, not a mode's record
         rule = anticipated_rule(config, capture_without_mode_records(reads_target(function, args)))
-        if rule is None or rule.read not in ("swapped_reads", "transform_stack"):
+        if rule is None or rule.id not in _SWAP_OR_TRANSFORMS:
             return None
         anticipated = True
     built = _composable.plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)
@@ -794,7 +798,7 @@ def composable_instead(
         for fired, fired_policy in firing or [(rule, "fallback")]:
             _events.emit(fired.id, fired_policy, event, site, "call")
         # what torch does when the recompute finds none of it (.backward() outside the transform)
-        symptom = case_symptom(rule, transforms, ()) if rule.read == "transform_stack" else ""
+        symptom = DRIFT_KINDS[TRANSFORMS_INDEX].case_symptom(transforms, ()) if rule.id == _TRANSFORMS_ID else ""
         emit_warning(build_message(
             rule, site=site, variant=variant, policy="fallback", source=config.source, action=action,
             anticipated=anticipated, also=also, worked=True, symptom=symptom, saving_kept=refusal is None,

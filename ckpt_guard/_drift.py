@@ -4,7 +4,8 @@ The forward's capture (:data:`capture`: one generated tuple expression, one valu
 drift rule in ``DRIFT_RULES`` order) is compared with the same capture when the
 recompute starts (``checked_call``).  A change the block can see is reported under the
 policy in force (:func:`report_drift`), or, under fallback, replayed: the recompute runs
-in the forward's world (:func:`_replay`), the user's current state put back after.
+in the forward's world (each rule's kind's ``replay``, ``_drift_kinds``), the user's current
+state put back after.
 Drift whose risk is visible already at call time (a swap, a user mode, a transform) is
 anticipated there (:func:`anticipate`).  Written for speed: the capture runs on every
 guarded call, the check on every recompute.
@@ -24,13 +25,17 @@ from typing import Any, Optional
 import torch as _torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from . import _composable, _config, _events, _files, _state
+from . import _config, _events, _files, _state
 from ._composable import binding as _rebind
 from ._composable.function import unbatched_vmaps_set_aside as _unbatched_vmaps_set_aside
 from ._actions import NO_CHECKPOINT, PROCEED, DRIFT_HOLDS, DRIFT_NON_REENTRANT
 from ._exceptions import CheckpointCompositionError
+from ._drift_kinds import (
+    ANTICIPATED_INDICES, BINDINGS_INDEX, CONTENTS_INDEX, DRIFT_KINDS, GENERATORS_INDEX, MODE_INDICES,
+    QUIET_INDICES, SWAPS_INDEX, TRANSFORMS_INDEX, UserModes, kind_of,
+)
 from ._messages import (
-    case_fallback, case_remedy, case_symptom, describe_forward_site, emit_warning, build_message,
+    describe_forward_site, emit_warning, build_message,
     describe_checkpointed, describe_site, describe_variant, user_frame, your_code,
 )
 from ._rules import DEVICE_RULE as _DEVICE_RULE, DRIFT_RULES, NESTED_OUTPUT_RULE as _NESTED_RULE
@@ -49,12 +54,7 @@ _GONE = _state.GONE
 # recompute, so it is written for speed: the capture is one generated tuple
 # expression, the recompute guard one closure.
 
-_DRIFT_READERS = tuple(getattr(_state, rule.read) for rule in DRIFT_RULES)
-_DRIFT_RENDERERS = tuple(getattr(_state, rule.render) for rule in DRIFT_RULES)
-# per reader: ``describe_change(was, now)`` or None ("render(was) → render(now)")
-_DRIFT_CHANGES = tuple(getattr(read, "describe_change", None) for read in _DRIFT_READERS)
-# per reader: ``relevant(function, was, now)`` or None (every change matters)
-_DRIFT_RELEVANCE = tuple(getattr(read, "relevant", None) for read in _DRIFT_READERS)
+_DRIFT_READERS = tuple(kind.read for kind in DRIFT_KINDS)
 
 
 def _compile_capture(readers: tuple) -> Any:
@@ -109,25 +109,7 @@ def _compile_capture(readers: tuple) -> Any:
 #: state, one value per drift rule, in DRIFT_RULES order.
 capture = _compile_capture(_DRIFT_READERS)
 
-# Drift whose risk is visible at call time (a value that is empty when nothing
-# is active): fallback avoids it by not checkpointing at all.
-_ANTICIPATED_INDICES = tuple(
-    i for i, rule in enumerate(DRIFT_RULES)
-    if rule.read in ("swapped_reads", "user_dispatch_modes", "user_function_modes", "transform_stack")
-)
-TRANSFORMS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "transform_stack")
-_SWAPS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "swapped_reads")
-BINDINGS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_bindings")
-HOOKS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "block_hooks")
-_CONTENTS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "argument_contents")
-_CONTENTS_RULE = DRIFT_RULES[_CONTENTS_INDEX]
-_GENERATORS_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "generator_states")
-_ATTRIBUTES_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_attributes")
-_TRAINING_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "module_training")
-_DTYPE_INDEX = next(i for i, rule in enumerate(DRIFT_RULES) if rule.read == "default_dtype")
-_MODE_INDICES = frozenset(
-    i for i, rule in enumerate(DRIFT_RULES) if rule.read in ("user_dispatch_modes", "user_function_modes")
-)
+_CONTENTS_RULE = DRIFT_RULES[CONTENTS_INDEX]
 
 
 #: recomputes of torch's checkpoint the guard has seen (the matrix reads it: a block recomputed
@@ -183,7 +165,7 @@ def checked_call(
                     lambda: _recompute(function, args, kwargs, replays, reads, config, forward_state, site, nested),
                 )
         return _recompute(function, args, kwargs, replays, reads, config, forward_state, site, nested)
-    if forward_state[_CONTENTS_INDEX] and config.policy_for(_CONTENTS_RULE.id) == "fallback":
+    if forward_state[CONTENTS_INDEX] and config.policy_for(_CONTENTS_RULE.id) == "fallback":
         return _reentrant_forward_keeping_the_cache(function, args, forward_state, drew, config, site)
     if drew is None:
         return _watch_output(function(*args, **kwargs), reads, config, forward_state, site, nested)
@@ -297,7 +279,7 @@ def _reentrant_forward_keeping_the_cache(
     place (a BatchNorm's running statistics, an input) nothing can undo it:
     raised.
     """
-    contents = forward_state[_CONTENTS_INDEX]
+    contents = forward_state[CONTENTS_INDEX]
     before = _state.rng_states()
     devices, device_rng = _torch_checkpoint.get_device_states(*args)
     versions = _state.tensor_versions(function, args)
@@ -306,7 +288,7 @@ def _reentrant_forward_keeping_the_cache(
         if drew is not None:  # preserve_rng_state=False (CKG107)
             drew[0] = _state.drew_random(before)
         return output
-    modes = [forward_state[i] for i in _MODE_INDICES]
+    modes = [forward_state[i] for i in MODE_INDICES]
     if _state.updated_in_place(versions) or _state.modes_updated_in_place(modes):
         forward_site_text = describe_forward_site(site)
         report_at_recompute(
@@ -325,7 +307,7 @@ def _reentrant_forward_keeping_the_cache(
     _torch.set_rng_state(before[0])
     if devices:
         _torch_checkpoint.set_device_states(devices, device_rng)
-    for _, generator, state in forward_state[_GENERATORS_INDEX]:
+    for _, generator, state in forward_state[GENERATORS_INDEX]:
         generator.set_state(state)
     raise RerunNonReentrant
 
@@ -446,25 +428,6 @@ def report_lost_device(function: Any, config: _config.Config, forward_state: tup
     )
 
 
-def _relevant_drift(function: Any, index: int, was: Any, now: Any, modes_managed: bool) -> bool:
-    """Whether a changed value can change this function's recompute."""
-    if index in _MODE_INDICES:
-        # a user context_fn may enter modes of its own for the recompute: then only a mode of the
-        # forward's missing from the recompute matters (a context_fn that re-enters it is fine)
-        return not modes_managed or any(mode not in now for mode in was)
-    relevant = _DRIFT_RELEVANCE[index]
-    return relevant is None or relevant(function, was, now)
-
-
-#: per drift rule whose Python-values-only changes strict and fallback replay without a word (the
-#: replay is the uncheckpointed program): ``values_only(was, now)``
-_QUIET_WHEN = {
-    _CONTENTS_INDEX: lambda was, now: _state.values_only(was),
-    _ATTRIBUTES_INDEX: _state.attributes_values_only,
-    BINDINGS_INDEX: _state.bindings_values_only,
-}
-
-
 def _quiet_replays(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
     only: Optional[frozenset],
@@ -478,18 +441,19 @@ def _quiet_replays(
     gradient can depend on the change (a value replaced).
     """
     quiet = {}
-    for index, values_only in _QUIET_WHEN.items():
-        rule, was, now = DRIFT_RULES[index], forward_state[index], state[index]
+    for index in QUIET_INDICES:
+        kind, was, now = DRIFT_KINDS[index], forward_state[index], state[index]
+        rule = kind.rule
         if (
             was
-            and (only is None or rule.read in only)
+            and (only is None or index in only)
             and DRIFT_HOLDS[index]
             and (reentrant or DRIFT_NON_REENTRANT[index])
             and config.policy_for(rule.id) in ("strict", "fallback")
             and _differs(was, now)
-            and values_only(was, now)
+            and kind.values_only(was, now)
         ):
-            replay = _replay(rule, was, now, function)
+            replay = kind.replay(was, now, function)
             if replay:
                 quiet[index] = replay[0]
     return quiet
@@ -502,28 +466,11 @@ _CONTEXT_NOTE = (
 )
 
 
-def _set_by_a_context(index: int, was: Any, now: Any) -> bool:
-    """Under a user ``context_fn``, whether this change may be its contexts' own doing.
-
-    The forward's state is read at the call, outside the forward context; the
-    recompute's inside the recompute context.  A context that sets a Python
-    value the block reads (a global scale, a module's flag, the default dtype)
-    for both runs shows here as a change torch recomputes right, and one the
-    program made after the call looks the same: no replay can tell them apart,
-    so none is made, quietly or under fallback (strict and fallback raise, warn
-    warns).  A tensor re-bound is no context's doing: replayed as ever.
-    """
-    if index == _DTYPE_INDEX:
-        return True
-    values_only = _QUIET_WHEN.get(index)
-    return values_only is not None and values_only(was, now)
-
-
 def report_drift(
     function: Any, reentrant: bool, config: _config.Config, forward_state: tuple, state: tuple,
     site: tuple, modes_managed: bool = False, only: Optional[frozenset] = None,
 ) -> list:
-    """Warn about, or raise for, every drift rule whose state changed (``only``: these readers).
+    """Warn about, or raise for, every drift rule whose state changed (``only``: these positions).
 
     Returns the replays (context managers) fallback repairs them with, to be
     entered around the recompute.
@@ -531,16 +478,16 @@ def report_drift(
     changed = [
         i for i, (was, now) in enumerate(zip(forward_state, state))
         if _differs(was, now)
-        and (only is None or DRIFT_RULES[i].read in only)
+        and (only is None or i in only)
         and DRIFT_HOLDS[i]
         and (reentrant or DRIFT_NON_REENTRANT[i])
         and config.policy_for(DRIFT_RULES[i].id) != "off"
-        and _relevant_drift(function, i, was, now, modes_managed)
+        and DRIFT_KINDS[i].relevant(function, was, now, modes_managed)
     ]
     quiet = {} if modes_managed else _quiet_replays(function, reentrant, config, forward_state, state, only)
     if quiet:
         changed = [index for index in changed if index not in quiet]
-    if BINDINGS_INDEX in changed and _differs(forward_state[_SWAPS_INDEX], state[_SWAPS_INDEX]):
+    if BINDINGS_INDEX in changed and _differs(forward_state[SWAPS_INDEX], state[SWAPS_INDEX]):
         # a functional_call swap began or ended between the forward and now: the tensors it swapped
         # are re-bound too, and CKG101 (the swap) is the one cause to report, not also CKG110
         changed.remove(BINDINGS_INDEX)
@@ -552,174 +499,30 @@ def report_drift(
     variant = describe_variant(reentrant, None)
     replays = list(quiet.values())
     for index in changed:
-        rule, render, was, now = DRIFT_RULES[index], _DRIFT_RENDERERS[index], forward_state[index], state[index]
-        describe_change = _DRIFT_CHANGES[index]
+        kind, was, now = DRIFT_KINDS[index], forward_state[index], state[index]
+        rule = kind.rule
         policy = config.policy_for(rule.id)
         replay = None
-        by_a_context = modes_managed and _set_by_a_context(index, was, now)
+        by_a_context = modes_managed and kind.set_by_a_context(was, now)
         if policy == "fallback" and not by_a_context:
-            replay = _replay(rule, was, now, function, modes_managed, reentrant)
+            replay = kind.replay(was, now, function, modes_managed, reentrant)
         report_at_recompute(
             rule, policy, forward_site_text,
             repaired=replay[1] if replay else "",
             site=describe_site(site_frame), forward_site=forward_site_text, transforms=transforms,
             variant=variant, source=config.source,
             checkpointed=describe_checkpointed(function, roots=_state.swapped_roots(forward_state)),
-            change=_describe_change(describe_change, was, now, function, render) + (
-                _CONTEXT_NOTE if by_a_context else ""
-            ),
-            remedy=case_remedy(rule, was, now, repaired=bool(replay)),
-            fallback_text=case_fallback(rule, was),
-            symptom=case_symptom(rule, was, now),
+            change=kind.describe(was, now, function) + (_CONTEXT_NOTE if by_a_context else ""),
+            remedy=kind.case_remedy(was, now, repaired=bool(replay)),
+            fallback_text=kind.case_fallback(was),
+            symptom=kind.case_symptom(was, now),
         )
         if replay:
             replays.append(replay[0])
     return replays
 
 
-def _describe_change(describe: Any, was: Any, now: Any, function: Any, render: Any) -> str:
-    if describe is None:
-        return f"{render(was)} → {render(now)}"
-    if getattr(describe, "takes_function", False):
-        return describe(was, now, function)
-    return describe(was, now)
-
-
 _differs = _state.differs
-
-
-# --------------------------------------------------------------------------
-# fallback's replays: the recompute sees what the forward saw
-
-
-def _replay(
-    rule: Rule, was: Any, now: Any, function: Any, modes_managed: bool = False, reentrant: bool = False,
-) -> Optional[tuple]:
-    """``(context manager, what fallback did)`` for a drift fallback can undo, or None."""
-    if rule.read in ("user_dispatch_modes", "user_function_modes"):
-        dispatch = rule.read == "user_dispatch_modes"
-        replayable = not modes_managed and (reentrant or _state.QUIET_RECOMPUTE_HOOKS)
-        replay = _state.modes_to_replay(was, now, dispatch) if replayable else None
-        if replay is None or not _state.mode_state_kept(replay):
-            return None  # torch's mode above a user mode, a gradient-carrying tensor it holds updated
-        popped, pushed, restated = replay
-        names = ", ".join(type(mode).__name__ for mode, _ in (*restated, *pushed))
-        off = (
-            f"; {', '.join(type(mode).__name__ for mode in popped)} (not the forward's) taken off for it"
-            if popped else ""
-        )
-        return _state.replaying_modes(replay, dispatch, inside_hooks=not reentrant), (
-            f"recomputing under the forward's own mode objects ({names}, marked with "
-            f"ckpt_guard.replayable_mode) with their attributes as the forward found them{off}; their "
-            "state is put back after (policy fallback)"
-        )
-    if rule.read == "default_dtype":
-        return _composable.in_default_dtype(was), f"recomputing in the forward's default dtype, {was} (policy fallback)"
-    if rule.read == "module_training" and was is not None:
-        modes = _state.retrained(was, function)
-        if not modes:
-            return None  # its modules changed since the forward: no mode to put back
-        return _rebind.bound([(m, "__dict__", "training", flag) for m, flag in modes]), (
-            "recomputing with each module in the train/eval mode it had in the forward, bound for this "
-            "recompute on its thread (policy fallback)"
-        )
-    if rule.read == "module_attributes":
-        changes = _state.reattributed(was, function)
-        if not changes or any(value is _GONE for _, _, value in changes):
-            return None  # an attribute the forward did not have: nothing to put back
-        return _rebind.bound([(module, "__dict__", name, value) for module, name, value in changes]), (
-            "recomputing with each attribute as the forward found it, bound for this recompute on its "
-            "thread (what the recompute writes there is dropped) (policy fallback)"
-        )
-    if rule.read == "argument_contents":
-        changed = _state.changed_at_all(was)  # every value put back, a position counter too
-        if not _state.replayable(changed):
-            return None  # updated in place, or only its length kept: what the forward read is gone
-        return _state.replaying_contents(changed), (
-            "recomputing with the containers the block was given as the forward found them, their "
-            "contents put back after the recompute (policy fallback)"
-        )
-    if rule.read == "generator_states":
-        moved = [(generator, state) for _, generator, state in _state.moved_generators(was)]
-        return _state.replaying_generators(moved), (
-            "recomputing with each user generator in the state the forward found it in, its state put "
-            "back after the recompute (policy fallback)"
-        )
-    if rule.read in ("block_bindings", "block_hooks"):
-        changes = _state.rebound(was, function, hooks=rule.read == "block_hooks")
-        if not changes or any(store == "new" for _, store, _, _ in changes):
-            return None  # something the forward did not have: nothing to put back
-        derived = _derived_bindings(changes)
-        if derived is None:
-            return None  # a module keeps its own view of the tensor: binding the name would not reach it
-        return _forward_bindings(changes + derived), (
-            "recomputing with what the forward read, bound for this recompute on its thread (policy fallback)"
-        )
-    return None
-
-
-def _derived_bindings(changes: list) -> Optional[list]:
-    """What else to bind so the recompute reads the forward's tensors; None where that is unknown.
-
-    A module whose class has its own ``__setattr__`` may keep its own view
-    of a tensor set on it: an RNN keeps ``_flat_weights`` (its forward reads
-    that list, not the attributes), which is re-bound too.  Any other such
-    class: no replay (fallback then raises, as strict), never a recompute
-    that silently reads the new tensor.
-    """
-    flat_weights: dict = {}  # id(rnn) -> (rnn, its _flat_weights with the forward's tensors put back)
-    for owner, store, name, value in changes:
-        if store not in ("_parameters", "_buffers") or type(owner).__setattr__ is _Module.__setattr__:
-            continue
-        names = owner.__dict__.get("_flat_weights_names")
-        flat = owner.__dict__.get("_flat_weights")
-        if not (isinstance(owner, _torch.nn.RNNBase) and names is not None and flat is not None and name in names):
-            return None
-        _, replaced = flat_weights.setdefault(id(owner), (owner, list(flat)))
-        replaced[list(names).index(name)] = value
-    # its _flat_weight_refs too: the recompute's forward re-points them at the tensors it binds, and
-    # left in the module they would make its next forward think its weights unchanged (and keep
-    # reading the flat weights of the meta-optimizer's step, whose graph is gone)
-    import weakref
-
-    bindings = []
-    for rnn, replaced in flat_weights.values():
-        bindings.append((rnn, "__dict__", "_flat_weights", replaced))
-        refs = rnn.__dict__.get("_flat_weight_refs")
-        if refs is not None:
-            bindings.append((rnn, "__dict__", "_flat_weight_refs", [None if w is None else weakref.ref(w) for w in replaced]))
-    return bindings
-
-
-#: a closure cell is the function's, not the thread's: one replay at a time points cells
-_CELL_LOCK = _state.REPLAY_LOCK
-
-
-@contextlib.contextmanager
-def _forward_bindings(changes: list) -> Any:
-    """The forward's tensors and hooks where the block reads them (modules: per thread; cells: locked)."""
-    from collections import OrderedDict
-
-    bindings = [
-        (owner, "__dict__", name, OrderedDict(value) if store in ("_forward_hooks", "_forward_pre_hooks") else value)
-        for owner, store, name, value in changes if store != "cell"
-    ]
-    # ... and in its parameter or buffer dict where the name is still there: what reads the dict (a
-    # checkpoint nested in this recompute asking whether its parameters were swapped) sees them too
-    bindings += [
-        (owner, store, name, value) for owner, store, name, value in changes
-        if store in ("_parameters", "_buffers") and name in owner.__dict__.get(store, ())
-    ]
-    cells = [(cell, value) for cell, store, _, value in changes if store == "cell"]
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_rebind.bound(bindings))
-        if cells:
-            stack.enter_context(_CELL_LOCK)
-            for cell, value in cells:
-                held = cell.cell_contents
-                cell.cell_contents = value
-                stack.callback(setattr, cell, "cell_contents", held)
-        yield
 
 
 def report_unpreserved_rng(
@@ -763,7 +566,7 @@ def anticipated_rule(
     """The drift rule under fallback whose risk is visible in this forward state, or None.
 
     User modes that are all marked replayable (and recorded) are not a risk
-    here: the recompute re-enters them (:func:`_replay`), unless a user
+    here: the recompute re-enters them (``UserModes.replay``), unless a user
     ``context_fn`` manages the recompute's modes, or the call is
     non-reentrant on a torch whose recompute hooks cannot be hidden from
     them (2.4-2.7).  ``reentrant`` None: not known (taken as non-reentrant).
@@ -771,20 +574,15 @@ def anticipated_rule(
     modes_replayable = not modes_managed and (bool(reentrant) or _state.QUIET_RECOMPUTE_HOOKS)
     if not risk_visible(forward_state):
         return None
-    for index in _ANTICIPATED_INDICES:
+    for index in ANTICIPATED_INDICES:
         if (
             forward_state[index]
             and DRIFT_HOLDS[index]
             and config.policy_for(DRIFT_RULES[index].id) == "fallback"
-            and (index not in _MODE_INDICES or not modes_replayable or not _replayable(forward_state[index]))
+            and (index not in MODE_INDICES or not modes_replayable or not UserModes.all_recorded(forward_state[index]))
         ):
             return DRIFT_RULES[index]
     return None
-
-
-def _replayable(modes: Any) -> bool:
-    """Every user mode is marked replayable and its state was recorded at the call."""
-    return all(record is not None for record in getattr(modes, "records", (None,)))
 
 
 def anticipate(
@@ -808,7 +606,7 @@ def anticipate(
             "gradients (policy strict raises if it sees that happen at the recompute)"
         ),
         # what torch does when the recompute finds none of it (.backward() outside the transform)
-        symptom=case_symptom(rule, forward_state[DRIFT_RULES.index(rule)], ()),
+        symptom=kind_of(rule).case_symptom(forward_state[DRIFT_RULES.index(rule)], ()),
     )
 
 
@@ -854,7 +652,7 @@ def _run_plainly_for(
 
 def risk_visible(forward_state: tuple) -> bool:
     """Cheap pre-check for :func:`anticipate`: is any anticipated state non-empty?"""
-    for index in _ANTICIPATED_INDICES:
+    for index in ANTICIPATED_INDICES:
         if forward_state[index]:
             return True
     return False

@@ -17,6 +17,7 @@ from ._composable import proof as _proof
 from ._actions import NO_CHECKPOINT
 from ._decide import OUTCOME_TEXT, decide_call, forward_context_of, prepare_call, run_composable, where_lines
 from ._drift import report_at_recompute
+from ._drift_kinds import SWAPS_INDEX
 from ._exceptions import CheckpointCompositionError
 from ._layouts import kept_inputs
 from ._messages import emit_warning, build_message, describe_site, describe_variant, user_frame
@@ -205,7 +206,7 @@ def _run_recorded(function: Any, recorder: _RecordedReads, *args: Any, **kwargs:
     return output
 
 
-_SWAP_RULE = next(rule for rule in DRIFT_RULES if rule.read == "swapped_reads")
+_SWAP_RULE = DRIFT_RULES[SWAPS_INDEX]
 
 
 def _checked_without_install(

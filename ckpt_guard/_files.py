@@ -33,7 +33,7 @@ def _room(folder: str) -> tuple:
 #: the readers of torch's state
 STATE = _room("_state")
 #: the decision, at call and at recompute time, and the words it writes
-DECISION = ("_entry.py", "_decide.py", "_drift.py", "_actions.py", "_messages.py", "_transform_entry.py")
+DECISION = ("_entry.py", "_decide.py", "_drift.py", "_drift_kinds.py", "_actions.py", "_messages.py", "_transform_entry.py")
 
 #: the guard's machinery, absolute paths
 OWN = frozenset(

@@ -27,7 +27,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _files, _layouts, _state
 from ._actions import CALL_RULES_HERE, TORCH
 from ._exceptions import CheckpointCompositionWarning
-from ._rules import DRIFT_RULES
+from ._drift_kinds import TRANSFORMS_RULE
 from ._rules import FIX_MOVE, GRAD_TRANSFORMS, Rule
 from ._state import block_reads as _reads
 
@@ -191,7 +191,7 @@ def describe_variant(reentrant: bool, defaulted: Optional[bool]) -> str:
 #: outer vmap), so a fix line names them all at once
 _TRANSFORM_RULE_IDS = tuple(
     rule.id for rule in CALL_RULES_HERE if rule.composable_helps
-) + tuple(rule.id for rule in DRIFT_RULES if rule.read == "transform_stack" and rule.holds_on(TORCH))
+) + ((TRANSFORMS_RULE.id,) if TRANSFORMS_RULE.holds_on(TORCH) else ())
 
 
 #: the words of the fix line that sends a block to ckpt_guard.checkpoint (dropped where it refused)
@@ -387,84 +387,3 @@ def describe_forward_site(site: tuple) -> str:
         if number is not None:
             line = number
     return _format_site(code, line)
-
-
-def case_symptom(rule: Rule, was: Any, now: Any) -> str:
-    """What torch really does in this very case, where the rule's general words would not say it."""
-    if rule.read in ("user_dispatch_modes", "user_function_modes") and _state.only_state_moved(was, now):
-        return (
-            "returns silently wrong gradients: the recompute runs under the forward's mode object, but "
-            "with the state it has now (the forward moved it on), so it computes other values"
-        )
-    if rule.read == "argument_contents" and _state.values_only(was):
-        return (
-            "recomputes with the Python value as the forward left it (a counter, a step, a position), "
-            "and the block changes it a second time: silently wrong gradients where the "
-            "block computes with that value, none where it only counts"
-        )
-    if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was) and not any(
-        name == "jvp" for name, _ in now
-    ):
-        return (
-            "raises CheckpointError: A different number of tensors was saved during the original forward "
-            "and recomputation (the recompute runs without the jvp's forward-mode level, so it saves "
-            "other tensors than the forward did)"
-        )
-    return ""
-
-
-def _marked_modes_recorded(rule: Rule, was: Any) -> bool:
-    """CKG102/103 where the forward's user modes include a marked one whose state was recorded."""
-    return rule.read in ("user_dispatch_modes", "user_function_modes") and any(
-        record is not None for record in getattr(was, "records", ())
-    )
-
-
-def case_fallback(rule: Rule, was: Any) -> str:
-    """What fallback does in this very case, where the rule's general words say more than fits."""
-    if _marked_modes_recorded(rule, was):
-        return (
-            "checkpoints the block and recomputes it under the forward's own mode objects, with their "
-            "attributes, tensors and generators as the forward found them, put back after"
-        )
-    return ""
-
-
-def case_remedy(rule: Rule, was: Any, now: Any, repaired: bool = False) -> str:
-    """A remedy that fits this very case, where the rule's general one would not (``repaired``:
-    fallback already made the recompute right)."""
-    if _marked_modes_recorded(rule, was):
-        if repaired:
-            return (
-                "nothing to change for correctness: the mode is marked @ckpt_guard.replayable_mode and "
-                "this recompute ran under the forward's mode object with the state it had then; to save "
-                "the replay's cost, keep the mode out of the checkpointed region"
-            )
-        return (
-            "the mode is marked @ckpt_guard.replayable_mode: policy fallback for this rule (next line) "
-            "makes this call right and keeps its memory saving (a non-reentrant call on torch < 2.8 "
-            "runs without checkpointing); or keep the mode out of the checkpointed region"
-        )
-    if rule.read == "argument_contents" and _state.values_only(was):
-        return (
-            "nothing to change where the value only counts; policy strict or fallback recomputes with "
-            "the value the forward read and puts the new one back after, without a word (exact "
-            "either way); warn only reports it"
-        )
-    if rule.read == "transform_stack" and any(name == "jvp" for name, _ in was):
-        return (
-            "checkpoint these blocks with ckpt_guard.checkpoint (or run under policy fallback): its "
-            "recompute carries the jvp's tangents, and .backward() after torch.func.jvp (a MeanFlow or "
-            "consistency-model loss) then keeps the memory saving"
-        )
-    if rule.read == "swapped_reads" and (isinstance(now, _state.SwappedReads) or _state.swaps_active_here()):
-        # .backward() already runs under a functional_call, just not the forward's
-        # (second-order MAML: one backward recomputes the inner and the outer step).
-        return (
-            "the recompute runs under another functional_call than the forward's: when one backward "
-            "recomputes blocks that ran under different functional_calls (second-order MAML: the "
-            "inner and the outer step), no single one can stay active for all of them. Run these "
-            "blocks without checkpointing (policy fallback does), or checkpoint outside the "
-            "stateless calls"
-        )
-    return ""

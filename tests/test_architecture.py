@@ -199,6 +199,40 @@ def test_no_private_name_crosses_rooms():
                     crossing.add(f"{name} reads {target}.{node.attr}")
     assert not crossing, "private names crossing rooms:\n" + "\n".join(sorted(crossing))
 
+def _names_a_reader(node: ast.AST) -> bool:
+    """A string, or a tuple, list or set of strings: a reader's name."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_reader(element) for element in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def test_a_drift_rule_is_one_object_no_branch_outside_it_names_its_reader():
+    """Issue 49, item 4: what the decision does with a drift rule is its kind's (``_drift_kinds``); no
+    other module compares a rule's ``read`` with a reader's name, and no reader carries the rule's
+    behaviour (``describe_change``, ``relevant``) as a function attribute."""
+    from ckpt_guard._drift_kinds import DRIFT_KINDS, _KIND_FOR_READER
+    from ckpt_guard._rules import DRIFT_RULES
+
+    branching = []
+    for name in MODULES:
+        if name == "ckpt_guard._drift_kinds":
+            continue
+        for node in ast.walk(_tree(name)):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Attribute) and side.attr == "read" for side in [node.left, *node.comparators]
+            ) and any(_names_a_reader(side) for side in node.comparators):
+                branching.append(f"{name}:{node.lineno}")
+            if isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Attribute) and target.attr in ("describe_change", "relevant")
+                for target in node.targets
+            ):
+                branching.append(f"{name}:{node.lineno} (a reader's behaviour as its attribute)")
+    assert not branching, "by-name branches on a drift rule's reader outside _drift_kinds:\n" + "\n".join(branching)
+    assert [kind.rule for kind in DRIFT_KINDS] == list(DRIFT_RULES)
+    # every reader a record names that does more than compare has its kind: the registry knows no stale name
+    assert set(_KIND_FOR_READER) <= {rule.read for rule in DRIFT_RULES}
+
+
 def test_every_module_says_what_it_owns():
     for name in MODULES:
         doc = ast.get_docstring(_tree(name))

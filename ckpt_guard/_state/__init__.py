@@ -38,7 +38,9 @@ can fire; only a non-quiet call pays for the full reading.
 *Recompute time* (``_drift.capture``): a tuple with one value per drift rule,
 read in the forward and again when the recompute starts.  A reader may carry
 an ``active`` attribute, a builtin query that is falsy when its state is empty,
-so the capture can skip the Python call on the usual quiet path.  torch's own
+so the capture can skip the Python call on the usual quiet path.  How a change
+is judged and said (its ``relevant``, its ``describe``) is the rule's kind's, in
+``_drift_kinds``, which names the functions here that do it.  torch's own
 infrastructure modes (fake/functional/proxy tensors under ``torch.compile``,
 selective checkpointing's caching modes, ``with torch.device(...)``) are not the
 user's and are left out, so they can never cause a report.
@@ -87,6 +89,7 @@ from .modes import (  # noqa: F401
 )
 from .mode_records import (  # noqa: F401
     QUIET_RECOMPUTE_HOOKS,
+    describe_mode_change,
     describe_modes,
     mark_replayable_mode,
     mode_state_kept,
@@ -99,12 +102,14 @@ from .mode_records import (  # noqa: F401
 from .swaps import (  # noqa: F401
     SwappedReads,
     begin_swap,
+    describe_swap_change,
     describe_swaps,
     pop_swap,
     push_swap,
     swapped_reads,
     swapped_roots,
     swaps_active_here,
+    swapped_reads_relevant,
 )
 from .dtype import (  # noqa: F401
     default_dtype,
@@ -114,9 +119,12 @@ from .steps import (  # noqa: F401
     describe_optimizer_steps,
     optimizer_steps,
     record_step,
+    steps_relevant,
 )
 from .backward import (  # noqa: F401
     describe_backward_graph,
+    describe_graph_building,
+    graph_building_relevant,
     reentrant_backward,
     reentrant_backward_builds_graph,
 )
@@ -126,9 +134,13 @@ from .modules import (  # noqa: F401
     bindings_values_only,
     block_bindings,
     block_hooks,
+    describe_attribute_change,
     describe_attributes,
     describe_bindings,
+    describe_forward_change,
     describe_forwards,
+    describe_hook_change,
+    describe_rebinding,
     describe_training,
     differs,
     instance_forwards,
@@ -141,6 +153,7 @@ from .modules import (  # noqa: F401
     refresh_after_forward,
     retrained,
     rrelu_seen,
+    training_relevant,
 )
 from .contents import (  # noqa: F401
     REPLAY_LOCK,
@@ -152,6 +165,7 @@ from .contents import (  # noqa: F401
     contents_snapshot,
     describe_contents,
     describe_contents_change,
+    describe_generator_change,
     describe_generators,
     generator_states,
     is_user_generator,

@@ -33,7 +33,8 @@ def reentrant_backward_builds_graph() -> object:
 reentrant_backward_builds_graph.active = functools.partial(list.__getitem__, _GRAPH_BUILDING, 0)  # type: ignore[attr-defined]
 # only a recompute inside such a backward matters: a block whose forward ran inside one (nested in a
 # recompute) and is recomputed by the inner, graph-free backward is what torch does without the guard
-reentrant_backward_builds_graph.relevant = lambda function, was, now: now is True and was is not True  # type: ignore[attr-defined]
+def graph_building_relevant(function: object, was: object, now: object) -> bool:
+    return now is True and was is not True
 
 
 @contextlib.contextmanager
@@ -53,10 +54,11 @@ def reentrant_backward(builds_graph: bool) -> Iterator[None]:
                 _GRAPH_BUILDING[0] -= 1
 
 
-reentrant_backward_builds_graph.describe_change = lambda was, now: (  # type: ignore[attr-defined]
-    "the backward running the recompute was asked to build a graph (create_graph=True); the "
-    "reentrant recompute's own backward builds none"
-)
+def describe_graph_building(was: object, now: object) -> str:
+    return (
+        "the backward running the recompute was asked to build a graph (create_graph=True); the "
+        "reentrant recompute's own backward builds none"
+    )
 
 
 def describe_backward_graph(builds_graph: object) -> str:

@@ -525,8 +525,6 @@ def _count(n: int) -> str:
     return f"{n} item" if n == 1 else f"{n} items"
 
 
-argument_contents.describe_change = describe_contents_change  # type: ignore[attr-defined]
-argument_contents.relevant = lambda function, was, now: bool(changed_contents(was))  # type: ignore[attr-defined]
 
 
 def restore_contents(entries: list) -> None:
@@ -655,5 +653,3 @@ def describe_generator_change(was: tuple, now: tuple) -> str:
     )
 
 
-generator_states.describe_change = describe_generator_change  # type: ignore[attr-defined]
-generator_states.relevant = lambda function, was, now: bool(moved_generators(was))  # type: ignore[attr-defined]

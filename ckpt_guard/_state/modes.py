@@ -15,7 +15,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .basics import len_dispatch_stack, len_function_stack
-from .mode_records import _mode_moved, describe_mode_change, is_replayable_mode, mode_record
+from .mode_records import _mode_moved, is_replayable_mode, mode_record
 
 
 # --------------------------------------------------------------------------
@@ -142,6 +142,3 @@ def user_function_modes() -> tuple[type, ...]:
 
 user_dispatch_modes.active = len_dispatch_stack  # type: ignore[attr-defined]
 user_function_modes.active = len_function_stack  # type: ignore[attr-defined]
-user_dispatch_modes.describe_change = user_function_modes.describe_change = (  # type: ignore[attr-defined]
-    lambda was, now: describe_mode_change(was, now)
-)

@@ -634,9 +634,6 @@ def describe_hook_change(was: object, now: object, function: object = None) -> s
     return "; ".join(parts) or "the block's hooks changed"
 
 
-block_bindings.describe_change = describe_rebinding  # type: ignore[attr-defined]
-block_hooks.describe_change = describe_hook_change  # type: ignore[attr-defined]
-describe_rebinding.takes_function = describe_hook_change.takes_function = True  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------
@@ -710,7 +707,7 @@ def _class_depends_on_mode(cls: type) -> bool:
     return known
 
 
-def _training_relevant(function: object, was: object, now: object) -> bool:
+def training_relevant(function: object, was: object, now: object) -> bool:
     """A train/eval switch matters only to a module some part of which behaves differently."""
     module = function if isinstance(function, Module) else getattr(function, "__self__", None)
     if not isinstance(module, Module):
@@ -718,7 +715,6 @@ def _training_relevant(function: object, was: object, now: object) -> bool:
     return any(_class_depends_on_mode(type(m)) for m in module.modules())
 
 
-module_training.relevant = _training_relevant  # type: ignore[attr-defined]
 
 
 def describe_training(training: Optional[tuple]) -> str:
@@ -894,7 +890,4 @@ def describe_forwards(value: object) -> str:
     return "its modules' forwards"
 
 
-module_attributes.describe_change = describe_attribute_change  # type: ignore[attr-defined]
-instance_forwards.describe_change = describe_forward_change  # type: ignore[attr-defined]
-describe_attribute_change.takes_function = describe_forward_change.takes_function = True  # type: ignore[attr-defined]
 

@@ -61,7 +61,7 @@ def record_step(optimizer: Any) -> None:
         _step_log.append((_optimizer_steps[0], updated))
 
 
-def _steps_relevant(function: object, was: int, now: int) -> bool:
+def steps_relevant(function: object, was: int, now: int) -> bool:
     """Whether a step taken since the forward updated a parameter ``function`` uses.
 
     Never guesses: a module the function may use only in part counts only if
@@ -83,7 +83,6 @@ def _steps_relevant(function: object, was: int, now: int) -> bool:
     return False
 
 
-optimizer_steps.relevant = _steps_relevant  # type: ignore[attr-defined]
 
 
 def describe_optimizer_steps(count: int) -> str:

@@ -98,7 +98,7 @@ class SwappedReads:
 
     Captured only when some of them were swapped in by a ``functional_call``
     on this thread (in place of another tensor).  Compared by identity: the
-    recompute check (:func:`_swapped_reads_relevant`) compares the tensors.
+    recompute check (:func:`swapped_reads_relevant`) compares the tensors.
     """
 
     __slots__ = ("reads", "swaps", "unseen")
@@ -170,14 +170,13 @@ swapped_reads.takes_function = True  # type: ignore[attr-defined]
 swapped_reads.active = functools.partial(_swap_count.__getitem__, 0)  # type: ignore[attr-defined]
 
 
-def _swapped_reads_relevant(function: object, was: object, now: object) -> bool:
+def swapped_reads_relevant(function: object, was: object, now: object) -> bool:
     """Whether the recompute would read other tensors than the forward did."""
     if isinstance(was, SwappedReads):
         return bool(was.differences())
     return True  # the forward read none of the tensors a swap now puts in place
 
 
-swapped_reads.relevant = _swapped_reads_relevant  # type: ignore[attr-defined]
 
 
 def describe_swap_change(was: object, now: object) -> str:
@@ -196,7 +195,6 @@ def describe_swap_change(was: object, now: object) -> str:
     return f"the module's own tensors at the forward → tensors swapped in by {swaps} now"
 
 
-swapped_reads.describe_change = describe_swap_change  # type: ignore[attr-defined]
 
 
 def swapped_roots(state: tuple) -> list:
