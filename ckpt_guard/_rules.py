@@ -1714,14 +1714,16 @@ def _probe_offload_around_transform(ckpt, use_reentrant):
 # Not a checkpoint call: decided where a torch.func transform is entered (``_transform_entry``).
 OFFLOAD_RULE = Rule(
     id="CKG012",
-    title="activation offload (save_on_cpu) around a torch.func transform: torch refuses it at the transform's entry",
+    title="saved-tensor hooks (an offload's, or a checkpoint's own) around a torch.func transform: torch refuses "
+          "them at the transform's entry",
     stage="transform",
     variants=(REENTRANT, NON_REENTRANT),
     trigger=(
         "a torch.func transform entered inside torch.autograd.graph.save_on_cpu(...) or any "
-        "saved_tensors_hooks(...) (a library's offload): grad, vjp, jacrev, hessian and vmap(grad) on "
-        "every torch; vmap, jvp and jacfwd too on torch 2.4. Checkpointed blocks inside or not: "
-        "torch refuses it before the first one runs"
+        "saved_tensors_hooks(...) (a library's offload), or inside a block of torch's non-reentrant "
+        "checkpoint (its own hooks): grad, vjp, jacrev, hessian and vmap(grad) on every torch; vmap, jvp "
+        "and jacfwd too on torch 2.4. Checkpointed blocks inside the transform or not: torch refuses it "
+        "before the first one runs"
     ),
     symptom=(
         "raises 'torch.func... don't yet support saved tensor hooks. Please open an issue with your "

@@ -86,6 +86,32 @@ def _entered_transform(frame: Optional[FrameType]) -> str:
     return ""
 
 
+#: where the hooks on the stack are torch's non-reentrant checkpoint's own (``_checkpoint_hook``, its
+#: recompute's ``_recomputation_hook``): the transform runs inside a checkpointed block (pytorch#122729)
+_CHECKPOINTS_OWN = (
+    "a block of torch's non-reentrant checkpoint (ckpt_guard.checkpoint outside torch.func is torch's) "
+    "around this transform: the saved-tensor hooks on the stack are that checkpoint's own, not an offload"
+)
+_CHECKPOINTS_OWN_REMEDY = (
+    "checkpoint that block with use_reentrant=True (its forward saves nothing through saved-tensor hooks, "
+    "so the transform inside runs), or move the transform out of the checkpointed block, or use policy "
+    "fallback (next line)"
+)
+
+
+_CHECKPOINTS_OWN_FALLBACK = (
+    "sets the checkpoint's hooks aside while the transform runs: correct; what the transform saves "
+    "for the block's gradient is kept, not recomputed (torch >= 2.8)"
+)
+
+
+def _checkpoints_own_hooks() -> bool:
+    """Whether the innermost saved-tensor hooks are torch's checkpoint's (torch >= 2.8 can read them)."""
+    top = _state.top_saved_tensor_hooks() if _state.top_saved_tensor_hooks is not None else None
+    pack = top[0] if top else None
+    return getattr(pack, "__module__", "") == "torch.utils.checkpoint"
+
+
 def entered_despite(
     error_message: str, refusal: RuntimeError, torch_generator: Callable[[str], Iterator[None]],
 ) -> Tuple[Iterator[None], Optional[Callable[[], None]]]:
@@ -104,20 +130,27 @@ def entered_despite(
     frame, _ = user_frame(sys._getframe(1))
     site = describe_site(frame)
     set_aside = policy == "fallback" and fallback_can_set_aside()
+    # torch 2.4-2.7: nothing to set the hooks aside with, so nothing fallback can do (no fix leads there)
+    words = rule if fallback_can_set_aside() else dataclasses.replace(rule, fallback_helps=False)
     around = _state.describe_transforms(_state.transform_stack())
     entering = _entered_transform(sys._getframe(1))
+    checkpoints = _checkpoints_own_hooks()
     details = dict(
         site=site, site_label="torch.func transform entered at",
         transforms=f"entering {entering or 'a grad transform'} (around it: {around})",
         variant=_VARIANT, source=config.source,
+        remedy=_CHECKPOINTS_OWN_REMEDY if checkpoints else "",
+        checkpointed=_CHECKPOINTS_OWN if checkpoints else "",
+        fallback_text=_CHECKPOINTS_OWN_FALLBACK if checkpoints else "",
     )
     if policy == "warn" or set_aside:
         action = (
-            "set the offload hooks aside while the transform runs (policy fallback): nothing inside it is "
-            "offloaded" if set_aside else "entering the transform as torch would (policy warn)"
+            f"set the {'checkpoint' if checkpoints else 'offload'} hooks aside while the transform runs (policy "
+            f"fallback): nothing inside it {'is checkpointed' if checkpoints else 'is offloaded'}"
+            if set_aside else "entering the transform as torch would (policy warn)"
         )
         _events.emit(rule.id, policy, "fallback: repaired" if set_aside else "warned", site, rule.stage)
-        emit_warning(build_message(rule, policy=policy, action=action, worked=set_aside, **details), rule,
+        emit_warning(build_message(words, policy=policy, action=action, worked=set_aside, **details), rule,
                      once=action if set_aside else "")
         if not set_aside:
             raise refusal
@@ -129,8 +162,6 @@ def entered_despite(
             _state.hooks_put_back(aside)
             raise
         return inner, lambda: _state.hooks_put_back(aside)
-    # torch 2.4-2.7: nothing to set the hooks aside with, so nothing fallback can do (no fix leads there)
-    words = rule if fallback_can_set_aside() else dataclasses.replace(rule, fallback_helps=False)
     if policy == "fallback":
         import torch
 

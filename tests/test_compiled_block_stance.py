@@ -27,6 +27,15 @@ def _stance() -> str:
     return eval_frame._stance.stance
 
 
+def _runs_eagerly() -> bool:
+    """What dynamo decides for a compiled function entered on this thread now: no frame callback
+    (None, what force_eager answers) means it runs eagerly."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    marker = object()
+    return eval_frame._callback_from_stance(marker) is None
+
+
 @pytest.mark.parametrize("policy", ["strict", "fallback"])
 def test_force_eager_holds_on_the_blocks_thread_only(policy):
     ckpt_guard.install(policy)
@@ -36,10 +45,10 @@ def test_force_eager_holds_on_the_blocks_thread_only(policy):
 
     def block(t):
         elsewhere = []
-        other = threading.Thread(target=lambda: elsewhere.append(_stance()))
+        other = threading.Thread(target=lambda: elsewhere.append(_runs_eagerly()))
         other.start()
         other.join()
-        seen.append((_stance(), elsewhere[0]))
+        seen.append((_runs_eagerly(), elsewhere[0]))
         return compiled(t) * 2
 
     x = torch.randn(4, 3, dtype=torch.float64)
@@ -49,8 +58,8 @@ def test_force_eager_holds_on_the_blocks_thread_only(policy):
         ckpt_guard.uninstall()
     want = grad(lambda v: (torch.tanh(lin(v)) * 2).pow(2).sum())(x)
     torch.testing.assert_close(got, want)
-    assert seen and all(here == "force_eager" and there == "default" for here, there in seen), seen
-    assert _stance() == "default"  # put back once the last block is out
+    assert seen and all(here and not there for here, there in seen), seen
+    assert not _runs_eagerly() and _stance() == "default"  # dynamo's own once the last block is out
 
 
 def test_a_stance_the_program_set_meanwhile_is_kept():
@@ -74,3 +83,36 @@ def test_a_stance_the_program_set_meanwhile_is_kept():
     finally:
         eval_frame._stance = eval_frame.DynamoStance()
         ckpt_guard.uninstall()
+
+
+def test_another_threads_stance_put_back_during_a_block_leaves_the_block_eager():
+    """Another thread (an evaluation loop) leaving ``set_stance(...)`` while a block runs puts back the
+    stance it found; the block's thread still runs its compiled code eagerly (fresh-eyes review: it
+    compiled under the proof's mode and failed 'False != True' when the stance itself was swapped)."""
+    ckpt_guard.install("strict")
+    lin = torch.nn.Linear(3, 3).double()
+    compiled = torch.compile(lambda t: torch.tanh(lin(t)), backend="eager")
+    opened, block_in, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def other():
+        with torch.compiler.set_stance("eager_on_recompile"):
+            opened.set()
+            block_in.wait(30)
+        closed.set()
+
+    def block(t):
+        block_in.set()
+        closed.wait(30)
+        return compiled(t) * 2
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    opened.wait(30)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    try:
+        got = grad(lambda v: ckpt_guard.checkpoint(block, v).pow(2).sum())(x)
+    finally:
+        thread.join()
+        ckpt_guard.uninstall()
+    torch.testing.assert_close(got, grad(lambda v: (torch.tanh(lin(v)) * 2).pow(2).sum())(x))
+    assert _stance() == "default" and not _runs_eagerly()

@@ -282,3 +282,68 @@ def test_another_librarys_refused_disable_stays_torchs(policy):
             with torch.autograd.graph.disable_saved_tensors_hooks("my library refuses hooks"):
                 pass
     assert type(info.value) is RuntimeError
+
+
+# --------------------------------------------------------------------------
+# the same refusal where the hooks are torch's own checkpoint's: a transform inside a checkpointed block
+
+INNER_TRANSFORMS = {
+    "grad": lambda f, p: grad(f)(p),
+    "vjp": lambda f, p: torch.func.vjp(f, p)[1](torch.ones((), dtype=p.dtype))[0],
+    "jacrev": lambda f, p: torch.func.jacrev(f)(p),
+    "vmap(grad)": lambda f, p: vmap(grad(f))(p),
+}
+INNER_ENTRIES = {
+    "ckpt_guard.checkpoint": ckpt_guard.checkpoint,  # outside torch.func: torch's non-reentrant checkpoint
+    "torch checkpoint (non-reentrant)": lambda f, t: tuc.checkpoint(f, t, use_reentrant=False),
+}
+
+
+def _inner_program(transform, checkpoint):
+    """Forces from an energy inside a checkpointed block (a transform in the block), then .backward()."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    inner = INNER_TRANSFORMS[transform]
+
+    def block(pos):
+        return lin(pos) - inner(lambda p: torch.tanh(p @ lin.weight).pow(2).sum(), pos)
+
+    out = block(x) if checkpoint is None else checkpoint(block, x)
+    out.pow(2).sum().backward()
+    return [x.grad, lin.weight.grad, lin.bias.grad]
+
+
+@pytest.mark.parametrize("policy", ["strict", "warn", "fallback", "off"])
+@pytest.mark.parametrize("entry", list(INNER_ENTRIES))
+@pytest.mark.parametrize("transform", list(INNER_TRANSFORMS))
+def test_a_transform_inside_a_checkpointed_block_is_ckg012_in_a_checkpoints_words(transform, entry, policy):
+    """The hooks torch refuses are its own non-reentrant checkpoint's (pytorch#122729): strict says so and
+    gives the fix that works (use_reentrant=True, measured here), never an offload the program has not;
+    fallback sets them aside for the transform and gives the uncheckpointed gradients."""
+    reference = _inner_program(transform, None)
+    reentrant = _inner_program(transform, lambda f, t: tuc.checkpoint(f, t, use_reentrant=True))
+    for got, want in zip(reentrant, reference):  # the remedy the message names works
+        torch.testing.assert_close(got, want)
+    ckpt_guard.install(policy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result, error = _inner_program(transform, INNER_ENTRIES[entry]), None
+        except RuntimeError as exc:
+            result, error = None, exc
+    ids = [w.message.rule.id for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
+    if policy == "off":
+        assert type(error) is RuntimeError and re.search(OFFLOAD_RULE.raises_match, str(error)) and not ids
+    elif policy == "warn":
+        assert type(error) is RuntimeError and re.search(OFFLOAD_RULE.raises_match, str(error)) and ids == ["CKG012"]
+    elif policy == "strict" or not fallback_can_set_aside():
+        assert isinstance(error, CheckpointCompositionError) and error.rule.id == "CKG012", error
+        if fallback_can_set_aside():  # torch >= 2.8 reads whose hooks they are
+            assert "that checkpoint's own, not an offload" in str(error)
+            assert "use_reentrant=True" in str(error) and "save_on_cpu off" not in str(error)
+    else:
+        assert error is None, error
+        for got, want in zip(result, reference):
+            torch.testing.assert_close(got, want)
+        assert "CKG012" in ids

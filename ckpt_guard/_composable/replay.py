@@ -256,30 +256,16 @@ class _Forced(threading.local):
 _forced = _Forced()
 
 
-class _PerThreadStance:
-    """Dynamo's stance as each thread reads it while blocks run: ``"force_eager"`` on a thread running
-    one, the stance that was set everywhere else.  Dynamo only reads attributes of its stance
-    (``.stance``, ``.backend``, ``.skip_guard_eval_unsafe``), each here the set stance's but ``stance``."""
-
-    __slots__ = ("prior",)
-
-    def __init__(self, prior: Any) -> None:
-        self.prior = prior
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "stance" and _forced.depth:
-            return "force_eager"
-        return getattr(self.prior, name)
-
-
 class _ThreadEagerStance:
     """``force_eager`` for the threads running a block, and only for them.
 
-    While any block runs, dynamo's stance is a :class:`_PerThreadStance` over the stance that was
-    set: the first block in (on any thread) puts it in, the last out puts the set one back (unless
-    the program set another meanwhile).  Another thread's compiled code keeps compiling.  Where
-    dynamo keeps no ``_stance`` to read (a torch that moved it), ``torch.compiler.set_stance``,
-    which is process-wide.
+    Dynamo asks ``eval_frame._callback_from_stance(callback)`` (by its global name) for the frame
+    callback each time a compiled function is entered; under ``force_eager`` it answers None (run
+    eagerly).  While any block runs that function is wrapped to answer None on a thread running one
+    and to ask the stance that is set everywhere else: the first block in (on any thread) wraps it,
+    the last out puts dynamo's back.  Neither another thread's compiled code nor a stance another
+    thread sets or puts back meanwhile changes what a block's thread runs.  Where dynamo has no such
+    function, ``torch.compiler.set_stance``, which is process-wide.
     """
 
     def __init__(self) -> None:
@@ -304,20 +290,22 @@ class _ThreadEagerStance:
 
     @staticmethod
     def _set() -> Callable[[], Any]:
-        """Put the per-thread stance in; returns what takes it out."""
+        """Wrap dynamo's stance reading; returns what puts it back."""
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if not hasattr(eval_frame, "_stance"):
+        dynamos = getattr(eval_frame, "_callback_from_stance", None)
+        if dynamos is None:
             stance = _SET_STANCE("force_eager")
             stance.__enter__()
             return lambda: stance.__exit__(None, None, None)
-        # what dynamo's _set_stance does, past its check that no torch.compile region is running (none
-        # is: the composable recompute is never traced); that check imports its C reader per call
-        proxy = _PerThreadStance(eval_frame._stance)
-        eval_frame._stance = proxy
+
+        def callback_from_stance(callback: Any) -> Any:
+            return None if _forced.depth else dynamos(callback)  # None: what force_eager answers
+
+        eval_frame._callback_from_stance = callback_from_stance
 
         def undo() -> None:
-            if eval_frame._stance is proxy:
-                eval_frame._stance = proxy.prior
+            if eval_frame._callback_from_stance is callback_from_stance:
+                eval_frame._callback_from_stance = dynamos
 
         return undo
 
