@@ -1,4 +1,4 @@
-"""The decision where a torch.func transform is entered: activation offload around it (CKG012).
+"""The decision where a torch.func transform is entered: saved-tensor hooks around it (CKG012).
 
 Torch's grad transforms (``grad``, ``vjp``, ``jacrev``, ``hessian``, ``vmap`` over
 them; on torch 2.4 ``vmap`` and ``jvp`` too) switch saved-tensor hooks off for their
@@ -6,7 +6,9 @@ body through ``torch.autograd.graph.disable_saved_tensors_hooks``, which refuses
 hooks stack that is not empty.  So ``save_on_cpu`` (or a library's offload hooks)
 around the transform fails at its entry, with or without checkpointing, before any
 checkpoint call the guard could see, and torch's words name neither the offload nor
-what works instead.
+what works instead.  The hooks may also be torch's non-reentrant checkpoint's own: a
+transform called inside a checkpointed block (forces from an energy, pytorch#122729);
+where torch can say whose hooks they are (2.8+), the words are a checkpoint's.
 
 ``_hooks`` wraps the generator behind that context manager (the function dynamo
 recognises by identity stays torch's) and hands exactly one thing here: torch
@@ -20,9 +22,9 @@ By policy (the rule's own, as every rule's):
 * strict: :class:`CheckpointCompositionError`, raised from torch's refusal, naming the
   transform's call site, the transforms around it and what works instead;
 * warn: the warning, then torch's refusal;
-* fallback: the user's hooks are set aside while the transform runs and put back after
-  it: correct, nothing inside the transform is offloaded (its checkpointed blocks keep
-  their saving).  Torch 2.4-2.7 cannot read its hooks stack, so nothing can be put
+* fallback: the hooks are set aside while the transform runs and put back after it:
+  correct, nothing inside the transform is offloaded (its own checkpointed blocks keep
+  their saving) or, for a checkpoint's hooks, what the transform saves is kept.  Torch 2.4-2.7 cannot read its hooks stack, so nothing can be put
   back: there fallback raises strict's error and says why;
 * off: torch's refusal.
 """
@@ -97,8 +99,6 @@ _CHECKPOINTS_OWN_REMEDY = (
     "so the transform inside runs), or move the transform out of the checkpointed block, or use policy "
     "fallback (next line)"
 )
-
-
 _CHECKPOINTS_OWN_FALLBACK = (
     "sets the checkpoint's hooks aside while the transform runs: correct; what the transform saves "
     "for the block's gradient is kept, not recomputed (torch >= 2.8)"
