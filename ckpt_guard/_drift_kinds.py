@@ -403,8 +403,12 @@ STEPS_INDEX = _position("optimizer_steps")
 MODE_INDICES = frozenset(kind.index for kind in DRIFT_KINDS if isinstance(kind, UserModes))
 #: the positions of the drift whose risk is visible at call time
 ANTICIPATED_INDICES = tuple(kind.index for kind in DRIFT_KINDS if kind.anticipated)
-#: the positions whose Python-values-only changes are replayed without a word
-QUIET_INDICES = tuple(kind.index for kind in DRIFT_KINDS if kind.values_only is not None)
+#: the positions whose Python-values-only changes are replayed without a word, in the order their
+#: replays are entered (outermost first): what the block is given, its modules' attributes, its bindings
+QUIET_INDICES = tuple(sorted(
+    (kind.index for kind in DRIFT_KINDS if kind.values_only is not None),
+    key=lambda i: (ArgumentContents, ModuleAttributes, BlockBindings).index(type(DRIFT_KINDS[i])),
+))
 #: the transform-stack rule, for the fix line that names every torch.func rule
 TRANSFORMS_RULE = DRIFT_KINDS[TRANSFORMS_INDEX].rule
 
