@@ -179,8 +179,15 @@ def compiled_steps(torch, model, x, backend):
         found[f"eager, {label}"] = eager(blocks, None)
         found[f"eager checkpoint, {label}"] = eager(blocks, eager_ckpt)
         found[f"grad, {label}"] = under_grad(blocks, None)
-        found[f"grad, {label}, ckpt_guard.checkpoint"] = under_grad(blocks, ckpt_guard.checkpoint)
+        if blocks is eager_blocks or compiled_blocks_run(torch):
+            found[f"grad, {label}, ckpt_guard.checkpoint"] = under_grad(blocks, ckpt_guard.checkpoint)
     return found
+
+
+def compiled_blocks_run(torch) -> bool:
+    """torch >= 2.6: ckpt_guard.checkpoint runs a compiled block under a transform (eagerly, its thread's
+    stance); before, it refuses one (class ``compiled``: no stance to run it eagerly with)."""
+    return hasattr(torch.compiler, "set_stance")
 
 
 def report_compiled(torch, repeat, backend, quick):
@@ -215,13 +222,18 @@ def report_compiled(torch, repeat, backend, quick):
         print(f"  {step:48} {seconds * 1e3:9.3f} ms")
     for label in ("eager blocks", "compiled blocks"):
         eager_added = (best[f"eager checkpoint, {label}"] - best[f"eager, {label}"]) / depth
-        added = (best[f"grad, {label}, ckpt_guard.checkpoint"] - best[f"grad, {label}"]) / depth
+        checkpointed = best.get(f"grad, {label}, ckpt_guard.checkpoint")
+        added = "refused (class compiled: torch < 2.6)" if checkpointed is None else (
+            f"{(checkpointed - best[f'grad, {label}']) / depth * 1e6:8.1f} µs"
+        )
         print(f"  {label:15}: torch's eager checkpoint adds {eager_added * 1e6:8.1f} µs per block, "
-              f"ckpt_guard.checkpoint under grad {added * 1e6:8.1f} µs")
+              f"ckpt_guard.checkpoint under grad {added}")
+    compiled_checkpointed = best.get("grad, compiled blocks, ckpt_guard.checkpoint")
     print(f"  compiling the blocks: the .backward() step {best['eager, compiled blocks'] / best['eager, eager blocks']:.2f}x, "
-          f"the grad step {best['grad, compiled blocks'] / best['grad, eager blocks']:.2f}x, "
-          f"the checkpointed grad step {best['grad, compiled blocks, ckpt_guard.checkpoint'] / best['grad, eager blocks, ckpt_guard.checkpoint']:.2f}x "
-          "of the same with eager blocks")
+          f"the grad step {best['grad, compiled blocks'] / best['grad, eager blocks']:.2f}x"
+          + ("" if compiled_checkpointed is None else
+             f", the checkpointed grad step {compiled_checkpointed / best['grad, eager blocks, ckpt_guard.checkpoint']:.2f}x")
+          + " of the same with eager blocks")
     print(f"  gradients equal across the grad steps: {'yes' if equal else 'NO'}")
     print(f"  under grad, dynamo declined the compiled blocks {refused} time(s): 'Calling torch.func.grad(compiled_fn) "
           "from eager mode is not supported' (pytorch#128711), checkpointed or not")

@@ -131,10 +131,15 @@ def test_blocks_compiled_sets_compiled_blocks_beside_eager_ones():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
+    import torch
+
     for step in ("eager", "eager checkpoint", "grad", "grad, {}, ckpt_guard.checkpoint"):
         for blocks in ("eager blocks", "compiled blocks"):
             label = step.format(blocks) if "{}" in step else f"{step}, {blocks}"
-            assert f"  {label} " in out, (label, out)
+            # torch < 2.6 refuses a compiled block under a transform (class compiled), and says so
+            runs = label != "grad, compiled blocks, ckpt_guard.checkpoint" or hasattr(torch.compiler, "set_stance")
+            assert (f"  {label} " in out) == runs, (label, out)
+    assert ("refused (class compiled: torch < 2.6)" in out) == (not hasattr(torch.compiler, "set_stance")), out
     assert "gradients equal across the grad steps: yes" in out, out
     assert "compiling the blocks: the .backward() step" in out, out
 
