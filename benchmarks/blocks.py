@@ -185,8 +185,8 @@ def compiled_steps(torch, model, x, backend):
 
 
 def compiled_blocks_run(torch) -> bool:
-    """torch >= 2.6: ckpt_guard.checkpoint runs a compiled block under a transform (eagerly, its thread's
-    stance); before, it refuses one (class ``compiled``: no stance to run it eagerly with)."""
+    """torch >= 2.6: ckpt_guard.checkpoint runs a compiled block under a transform (eagerly, on its
+    thread); before, it refuses one (class ``compiled``: no stance to run it eagerly with)."""
     return hasattr(torch.compiler, "set_stance")
 
 
