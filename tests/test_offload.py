@@ -338,8 +338,14 @@ def test_a_transform_inside_a_checkpointed_block_is_ckg012_in_a_checkpoints_word
             result, error = _inner_program(transform, INNER_ENTRIES[entry]), None
         except RuntimeError as exc:
             result, error = None, exc
-        finally:
-            gc.collect()
+    try:
+        _judge_inner(policy, result, error, reference, caught)
+    finally:
+        error = None  # the traceback's cycle through this frame would keep torch 2.4's checkpoint (its hooks)
+        gc.collect()
+
+
+def _judge_inner(policy, result, error, reference, caught):
     ids = [w.message.rule.id for w in caught if issubclass(w.category, CheckpointCompositionWarning)]
     if policy == "off":
         assert type(error) is RuntimeError and re.search(OFFLOAD_RULE.raises_match, str(error)) and not ids
