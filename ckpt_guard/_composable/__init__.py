@@ -20,6 +20,8 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 ``residuals``  ``ckpt_guard.saved_residuals``: what each block saved and recomputed
 ``function``   ``_Recompute``, the ``autograd.Function``: backward, jvp, vmap rules,
                each again a recompute
+``later_writes``  an input the caller may write into after the call, kept as a copy on
+               write; autograd's error where the block saved it, as without checkpointing
 ``levels``     applying that Function level by level, one class made once
 ``refusals``   :class:`Refused` and its :class:`Reason` classes (``docs/limits.md``)
 ``basics``     tensor helpers; ``counters``: what has run (the matrix reads it)
@@ -107,6 +109,11 @@ the caller's as the plain run made it, so the caller's update in place of it
 reaches the input; the Function is handed a copy of that input (the caller may
 write into it).  A block whose every output is such an alias saves nothing: its
 plain run is the result.
+The caller may write into an input after the call (``y = ckpt(block, h); h.add_(1)``):
+the Function is handed a copy on write of each input a caller can write
+(``later_writes``), so a recompute reads what the call saw, and where the block's graph
+saved that input autograd's "modified by an inplace operation" is raised, as without
+checkpointing.
 
 **What the block sees.**  Each recompute shows the block its inputs'
 ``requires_grad`` as the call did (``levels.as_the_call_saw``), and runs in the
@@ -146,7 +153,8 @@ levels *                        ``levels.apply``, ``levels.as_the_call_saw``: fu
                                 and the ``requires_grad`` and grad mode the call saw
 the replayed world *            ``replay`` and ``Plan.replay``: RNG, dtype, device, autocast,
                                 hooks, the modules' values, globals, containers
-in-place writes *               ``Plan.pre_forward``/``written``: copies of what a write reaches
+in-place writes *               ``Plan.pre_forward``/``written``: copies of what a write reaches;
+                                ``later_writes``: the caller's writes after the call
 save policies                   ``saving`` (JAX: the policy predicate and ``name_p``)
 the residuals report            ``residuals`` (JAX: ``saved_residuals``)
 the drift watch                 ``_decide.watch_composable_recompute``: what no replay undoes

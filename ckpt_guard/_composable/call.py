@@ -18,6 +18,7 @@ from . import levels as _levels
 from . import binding as _rebind
 from . import shapes as _shapes
 from . import counters
+from . import later_writes as _later_writes
 from .. import _state
 from .basics import Tensor, _base, _carries_gradient
 from . import function as _function  # noqa: F401 - importing it sets levels.FUNCTION
@@ -281,6 +282,8 @@ def _run(built: Plan) -> Any:
             if i not in built.pre_forward:
                 operands[i] = operands[i].clone()
                 built.versions_after[i] = None
+    # an input the caller may write into after the call (``h.add_(1)``): the Function keeps a copy on write
+    operands = _later_writes.copies_on_write(built, operands)
     outputs = _levels.apply(built, *operands, *precomputed)
     counters.PACKED += 1
     del precomputed

@@ -25,6 +25,7 @@ from torch._functorch.eager_transforms import _jvp_with_argnums
 
 from . import levels as _levels
 from . import counters
+from . import later_writes as _later_writes
 from .. import _state
 from .basics import GRAD_KEY, VMAP_KEY, Tensor, _base, _differentiable_dtype
 from .plan import Plan
@@ -232,8 +233,12 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
     """
     # the plan's inputs come first (a derivative's cotangents follow); those the block never read (a
     # module's own parameters a functional_call swapped out) are not marked: nothing would see them
-    marked = [i for i, need in _root(plan).requires_grad_read if need and i not in wanted]
-    return _levels.vjp(_recompute_of(plan), tensors, wanted, marked)
+    root = _root(plan)
+    marked = [i for i, need in root.requires_grad_read if need and i not in wanted]
+    # an input the caller wrote into since the call: the recompute read the call's copy, and autograd
+    # raises where the block saved it, as without checkpointing (later_writes)
+    written = _later_writes.written_since_call(root) if root.callers_inputs else ()
+    return _levels.vjp(_recompute_of(plan), tensors, wanted, marked, written)
 
 
 def _jvp(

@@ -67,6 +67,7 @@ from .. import _state
 Tensor = torch.Tensor
 
 _transforms_active = torch._C._are_functorch_transforms_active
+_increment_version = torch._C._increment_version
 _pop_dynamic_layer_stack, _push_dynamic_layer_stack = (
     _functorch_c.pop_dynamic_layer_stack, _functorch_c.push_dynamic_layer_stack,
 )
@@ -247,7 +248,7 @@ def _hooks_back(previous: Any) -> None:
 
 def vjp(
     function: Callable[..., Tuple[Tensor, ...]], tensors: Sequence[Tensor], wanted: Sequence[int],
-    marked: Sequence[int] = (),
+    marked: Sequence[int] = (), written: Sequence[int] = (),
 ) -> Tuple[Tuple[Tensor, ...], Callable[[Sequence[Tensor]], Tuple[Tensor, ...]]]:
     """``(outputs, pullback)`` of ``function(*tensors)`` with respect to ``tensors[i]`` for ``i`` in ``wanted``.
 
@@ -258,7 +259,10 @@ def vjp(
     takes the cotangents in the outputs' order and returns one gradient per
     wanted tensor, a zero where the output does not depend on it.  ``marked``: more
     tensors made to require grad at the level, not differentiated (the block read them
-    requiring grad at its call: it sees them so again, see :func:`as_the_call_saw`).
+    requiring grad at its call: it sees them so again, see :func:`as_the_call_saw`).  ``written``:
+    tensors whose wrappers' versions are moved once ``function`` ran (the caller wrote into the
+    input since its call: the pullback then raises autograd's "modified by an inplace operation"
+    where the graph saved one, see ``later_writes``).
     """
     aside = _hooks_set_aside()
     hooks = _hooks_disabled_message()
@@ -278,6 +282,8 @@ def vjp(
             finally:
                 _allow_inplace_requires_grad(inplace)
             outputs = tuple(function(*primals))
+            for i in written:
+                _increment_version(primals[i])
             results = tuple(_unwrap_for_grad(o, level) for o in outputs)
         finally:
             _set_grad_enabled(grad_mode)

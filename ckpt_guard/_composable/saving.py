@@ -177,9 +177,13 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
 
 def _address(t: Tensor) -> int:
     try:
-        return t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        return storage._cdata if _is_cow(t) else storage.data_ptr()  # a copy on write's would make the copy
     except Exception:  # noqa: BLE001 - a tensor without storage of its own (a wrapper subclass): its id
         return id(t)
+
+
+_is_cow = getattr(torch._C, "_is_cow_tensor", lambda tensor: False)
 
 
 def _written_arguments(func: Any) -> tuple:

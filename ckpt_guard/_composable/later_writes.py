@@ -1,0 +1,108 @@
+"""The caller writing into a block's input after the call: ``y = ckpt(block, h); h.add_(1)``.
+
+Without checkpointing that write is harmless unless the block's own graph saved ``h``
+(``exp`` saves its output, ``sin`` its input); then autograd raises "modified by an
+inplace operation" in the backward.  The recompute reads ``h`` again in the backward, so
+the Function must keep what the call saw, and say what autograd says where it says it:
+
+* each input a caller can write (not a module's parameter or buffer, whose changes are
+  the drift rules' to judge; not a leaf that requires grad, which only ``no_grad`` code
+  writes: an optimizer step) is handed to the Function as a copy on write
+  (``torch._lazy_clone``: differentiable at every level, so gradients and tangents reach
+  ``h`` through it as before).  It costs no memory until the caller writes; only then does
+  ``h`` get memory of its own.  Nothing may read a clone's data address: ``data_ptr()``
+  makes the copy (measured), so ``proof._storage_address`` names a copy on write by its
+  storage object.
+* the call keeps the caller's tensor (under its torch.func wrappers) and its version.  Where
+  the version moved by the recompute, the recompute moves the version of its own wrapper of
+  that input once the block has run (``levels.vjp``'s ``written``): autograd then raises its
+  own "modified by an inplace operation" exactly where the block's graph saved that input or
+  a view of it, as without checkpointing, and the gradient is the plain program's elsewhere.
+
+torch has no vmap rule for ``_lazy_clone`` (its fallback copies and warns: measured on
+2.4 and 2.13); :func:`_batched_lazy_clone` is one (the clone of the tensor under the batch
+level, batched as the input was), registered the first time a clone is made under vmap,
+unless torch has one.  torch 2.4-2.15 all have ``_lazy_clone``; a torch without it keeps
+the inputs as they are (autograd's error then, as before).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch._C._functorch import _add_batch_dim, _unwrap_batched, get_interpreter_stack, maybe_get_level
+
+from .. import _state
+from .basics import _base, _version
+
+Tensor = torch.Tensor
+
+_lazy_clone = getattr(torch, "_lazy_clone", None)
+_VMAP_KEY = torch._C._functorch.TransformType.Vmap
+_top_hooks = _state.top_saved_tensor_hooks or (lambda: None)
+
+
+def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
+    """The Function's operands, each input a caller can write handed in as a copy on write;
+    ``built.callers_inputs`` keeps (index, the caller's tensor, its version) of each."""
+    if _lazy_clone is None or _top_hooks() is not None:
+        return operands  # the user's saved-tensor hooks judge saved inputs by their memory (function._copied_by_hooks)
+    bound = {i for *_, i in built.slots}
+    skipped = bound.union(built.pre_forward, built.aliased_inputs)
+    read = built.read
+    kept: Optional[List[Tensor]] = None
+    callers: List[Tuple[int, Tensor, Optional[int]]] = []
+    for i, t in enumerate(operands):
+        if i >= built.n_inputs or i in skipped or (read is not None and i not in read) or t.is_leaf and t.requires_grad:
+            continue
+        if kept is None:
+            kept = list(operands)
+            if _under_vmap():
+                _register_vmap_rule()
+        base = _base(t)
+        callers.append((i, base, _version(base)))
+        kept[i] = _lazy_clone(t)
+        built.versions_after[i] = None  # no one else writes the copy
+    built.callers_inputs = callers
+    return operands if kept is None else kept
+
+
+def written_since_call(root: Any) -> Tuple[int, ...]:
+    """The inputs the caller wrote into since the call (their versions moved)."""
+    return tuple(i for i, base, was in root.callers_inputs if _version(base) != was)
+
+
+def _under_vmap() -> bool:
+    return any(level.key() == _VMAP_KEY for level in get_interpreter_stack() or ())
+
+
+_registered = threading.Lock()
+_LIBRARY: List[Any] = []  # the registration lives as long as its Library object
+
+
+def _register_vmap_rule() -> None:
+    if _LIBRARY:
+        return
+    with _registered:
+        if _LIBRARY:
+            return
+        if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_lazy_clone", "FuncTorchBatched"):
+            _LIBRARY.append(None)  # torch's own rule
+            return
+        library = torch.library.Library("aten", "IMPL")
+        library.impl("_lazy_clone", _batched_lazy_clone, "FuncTorchBatched")
+        _LIBRARY.append(library)
+
+
+_NOT_BATCHED = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+
+
+def _batched_lazy_clone(tensor: Tensor) -> Tensor:
+    """``aten::_lazy_clone``'s vmap rule: the tensor under the batch level cloned, batched as it was."""
+    level = maybe_get_level(tensor)
+    inner, batch_dim = _unwrap_batched(tensor, level)
+    with torch._C._ExcludeDispatchKeyGuard(_NOT_BATCHED):
+        clone = _lazy_clone(inner)
+    return _add_batch_dim(clone, batch_dim, level)
