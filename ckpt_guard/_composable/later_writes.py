@@ -61,9 +61,13 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
             kept = list(operands)
             if _under_vmap():
                 _register_vmap_rule()
+        try:
+            clone = _lazy_clone(t)
+        except Exception:  # noqa: BLE001 - a tensor torch cannot clone so (a subclass, sparse): kept as it is
+            continue
         base = _base(t)
         callers.append((i, base, _version(base)))
-        kept[i] = _lazy_clone(t)
+        kept[i] = clone
         built.versions_after[i] = None  # no one else writes the copy
     built.callers_inputs = callers
     return operands if kept is None else kept
