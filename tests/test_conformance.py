@@ -73,6 +73,11 @@ def test_the_table_in_docs_is_this_torchs():
     outcomes = {cell: OUTCOMES.get(cell) or matrix.run_cell(cell) for cell in CELLS}
     written = re.split(r"^(?=## torch )", text, flags=re.M)
     section = next(part for part in written if part.startswith(title + "\n"))
-    assert section.rstrip() == matrix.version_section(outcomes).rstrip(), (
-        "docs/conformance.md is stale for this torch: run python tests/conformance.py --write docs/conformance.md"
-    )
+    measured = matrix.version_section(outcomes)
+    if section.rstrip() != measured.rstrip():
+        import difflib
+
+        changed = list(difflib.unified_diff(section.rstrip().splitlines(), measured.rstrip().splitlines(),
+                                            "docs/conformance.md", "this run", n=0, lineterm=""))
+        pytest.fail("docs/conformance.md is stale for this torch (run python tests/conformance.py --write "
+                    "docs/conformance.md); first differences:\n" + "\n".join(changed[:40]))
