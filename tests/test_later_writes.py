@@ -261,3 +261,82 @@ def test_every_kind_written_after_the_call_is_what_the_plain_program_does(kind, 
             assert policy == "strict" and any(f"(refusal class {c}," in str(exc) for c in _composable.REFUSAL_CLASSES), exc
             return
     torch.testing.assert_close(got, reference)
+
+
+# --------------------------------------------------------------------------
+# found by a review: a module's own parameters, writes no version sees, views of a larger storage
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_block_whose_module_parameters_require_grad_is_what_the_plain_program_does(transform, entry):
+    """The block's ``nn.Linear`` keeps eager parameters that require grad; the transform differentiates the
+    input only.  The plain run's graph at the transform's level saved nothing of the input for them (the
+    eager graph below, which did, is never run): the program runs.  The recompute once marked them
+    requiring grad at its own level, saved the input for them, and raised."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).to(DTYPE)
+
+    def loss_with(ck):
+        def loss(x):
+            h = x * 1.5
+            y = ck(lambda t: torch.exp(lin(t)), h)
+            h.mul_(2)
+            return y.sum() + h.sum()
+        return _hessian_input(transform, loss)
+
+    try:  # measured: under a .backward() the eager graph, which saved the input for the weight, runs too
+        reference, plain_error = TRANSFORMS[transform](loss_with(lambda f, *a: f(*a))), None
+    except RuntimeError as exc:
+        reference, plain_error = None, exc
+    assert (plain_error is None) == (".backward()" not in transform), plain_error
+    policy, ck = ENTRIES[entry]
+    with _installed(policy), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt_guard.CheckpointCompositionWarning)
+        if plain_error is not None:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                TRANSFORMS[transform](loss_with(ck))
+            return
+        got = TRANSFORMS[transform](loss_with(ck))
+    torch.testing.assert_close(got, reference)
+
+
+def test_a_write_through_data_is_refused_not_a_number():
+    """``hs.data.add_(1)`` moves no version: autograd cannot see it, and the plain program's backward reads
+    the new values where the recompute would read the call's.  ckpt_guard sees the copy the write made
+    and stops with ChangedSinceForward (before, the recompute read the new values by chance)."""
+    def run(ck):
+        xs = torch.stack([X, 0.5 * X]).requires_grad_()
+
+        def f(x):
+            h = x @ W1
+            return ck(lambda t: torch.sin(t) @ W2, h), h
+        ys, hs = vmap(f)(xs)
+        hs.data.add_(1)
+        ys.sum().backward()
+        return xs.grad
+
+    run(lambda f, *a: f(*a))  # the plain program runs (torch's own .data hazard)
+    with _installed("strict"), pytest.raises(_composable.ChangedSinceForward, match="moves no version"):
+        run(ckpt_guard.checkpoint)
+
+
+def test_a_row_of_a_larger_buffer_is_saved_as_it_is():
+    """A view into a small part of a larger storage (a cache's row) is not copied on write: a copy on write
+    covers the whole storage, so a loop writing the next row after each call would keep one copy of the
+    whole buffer per call.  A write into that storage after the call stays autograd's error (documented in
+    docs/limits.md), where the plain program runs."""
+    def loss_with(ck):
+        def loss(w):
+            cache = torch.zeros(6, 4, dtype=DTYPE)
+            cache[0] = 1.0
+            total = 0
+            for i in range(1, 6):
+                total = total + ck(lambda t, ww: torch.exp(0.1 * t + ww), cache[i - 1], w).sum()
+                with torch.no_grad():
+                    cache[i] = cache[i - 1] * 0.9 + 0.1
+            return total
+        return loss
+
+    grad(loss_with(lambda f, *a: f(*a)))(torch.zeros(4, dtype=DTYPE))  # the plain program runs
+    with _installed("strict"), pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad(loss_with(ckpt_guard.checkpoint))(torch.zeros(4, dtype=DTYPE))

@@ -234,11 +234,16 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
     # the plan's inputs come first (a derivative's cotangents follow); those the block never read (a
     # module's own parameters a functional_call swapped out) are not marked: nothing would see them
     root = _root(plan)
-    marked = [i for i, need in root.requires_grad_read if need and i not in wanted]
     # an input the caller wrote into since the call: the recompute read the call's copy, and autograd
     # raises where the block saved it, as without checkpointing (later_writes)
-    written = _later_writes.written_since_call(root) if root.callers_inputs else ()
-    return _levels.vjp(_recompute_of(plan), tensors, wanted, marked, written)
+    written = _later_writes.written_since_call(root, tensors) if root.callers_inputs else ()
+    if written:
+        # ... where the plain run's graph saved it: that graph tracked only what this level differentiates,
+        # so nothing more is marked here (the block still reads requires_grad as the call saw it, on a
+        # level of its own that nothing differentiates: levels.as_the_call_saw)
+        return _levels.vjp(_recompute_of(plan), tensors, wanted, (), written)
+    marked = [i for i, need in root.requires_grad_read if need and i not in wanted]
+    return _levels.vjp(_recompute_of(plan), tensors, wanted, marked)
 
 
 def _jvp(

@@ -36,12 +36,14 @@ from torch._C._functorch import _add_batch_dim, _unwrap_batched, get_interpreter
 
 from .. import _state
 from .basics import _base, _version
+from .refusals import ChangedSinceForward
 
 Tensor = torch.Tensor
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)
 _VMAP_KEY = torch._C._functorch.TransformType.Vmap
 _top_hooks = _state.top_saved_tensor_hooks or (lambda: None)
+_is_cow = getattr(torch._C, "_is_cow_tensor", lambda tensor: True)
 
 
 def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
@@ -57,6 +59,9 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
     for i, t in enumerate(operands):
         if i >= built.n_inputs or i in skipped or (read is not None and i not in read) or t.is_leaf and t.requires_grad:
             continue
+        base = _base(t)
+        if _small_part_of_its_storage(base):
+            continue
         if kept is None:
             kept = list(operands)
             if _under_vmap():
@@ -65,7 +70,6 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
             clone = _lazy_clone(t)
         except Exception:  # noqa: BLE001 - a tensor torch cannot clone so (a subclass, sparse): kept as it is
             continue
-        base = _base(t)
         callers.append((i, base, _version(base)))
         kept[i] = clone
         built.versions_after[i] = None  # no one else writes the copy
@@ -73,9 +77,48 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
     return operands if kept is None else kept
 
 
-def written_since_call(root: Any) -> Tuple[int, ...]:
-    """The inputs the caller wrote into since the call (their versions moved)."""
-    return tuple(i for i, base, was in root.callers_inputs if _version(base) != was)
+def written_since_call(root: Any, saved: Sequence[Tensor]) -> Tuple[int, ...]:
+    """The inputs the caller wrote into since the call (their versions moved).
+
+    A write that moves no version (through ``.data``, or ``.detach()``'s alias) is seen by its copy:
+    the caller's tensor then has memory of its own, no longer shared with the Function's copy.  Where
+    their values differ, the recompute would not read what the plain program's backward reads, so it
+    stops with :class:`ChangedSinceForward` (a memory of its own with the same values: something only
+    read its address, ``data_ptr()``, which makes the copy too).
+    """
+    written = []
+    for i, base, was in root.callers_inputs:
+        if _version(base) != was:
+            written.append(i)
+        elif not _is_cow(base) and i < len(saved) and not _same_values(base, _base(saved[i])):
+            raise ChangedSinceForward(
+                "ckpt_guard's composable recompute: an input of a checkpointed call (a "
+                f"{tuple(base.shape)} tensor) was written after the call in a way that moves no version "
+                "(through .data or a .detach() alias), so autograd cannot tell. The recompute would read "
+                "the values the call saw, where the program without checkpointing reads the new ones, "
+                "so it stops here. Write into the tensor itself (autograd then speaks where the block "
+                "saved it), or write after the backward."
+            )
+    return tuple(written)
+
+
+def _small_part_of_its_storage(base: Tensor) -> bool:
+    """Whether a tensor is a view into at most half of a larger storage (a row of a cache, a chunk).
+
+    A copy on write covers the whole storage: a loop writing the next row of a buffer after each
+    call would copy the whole buffer once per call, each pending copy kept until its backward
+    (memory quadratic in the loop's length, measured).  Such an input is saved as it is, as
+    before: a write into its storage after the call is autograd's error.
+    """
+    try:
+        return 2 * base.numel() * base.element_size() <= base.untyped_storage().nbytes()
+    except Exception:  # noqa: BLE001 - no storage to read (a subclass): not cloned either way
+        return True
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    with torch._C.DisableTorchFunction():
+        return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def _under_vmap() -> bool:
