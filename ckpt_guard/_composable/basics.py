@@ -1,7 +1,7 @@
 """Tensor helpers every part of the composable recompute shares.
 
 Owns: what counts as differentiable, a view's base, whether a tensor carries a
-gradient through functorch's wrappers, its version, and selective checkpointing's
+gradient through functorch's wrappers, its version, where its storage starts, and selective checkpointing's
 forward mode (left out of fallback's plain run and the recompute).  May not touch:
 anything stateful.
 """
@@ -41,6 +41,22 @@ def _version(t: Tensor) -> Optional[int]:
         return t._version
     except Exception:  # noqa: BLE001 - a functorch wrapper has no version counter of its own
         return None
+
+
+#: whether a tensor shares its memory copy on write (``torch._lazy_clone``, see ``later_writes``);
+#: None on a torch that cannot tell
+_is_cow = getattr(torch._C, "_is_cow_tensor", None)
+
+
+def _storage_start(t: Tensor) -> int:
+    """Where a tensor's storage starts (a tensor under no torch.func wrapper), as the recompute compares
+    memory.  A copy on write (and the tensor it was made from) is named by its storage object instead:
+    ``data_ptr()`` would make the copy (measured), and until a write the two share no element a write
+    could reach."""
+    storage = t.untyped_storage()
+    if _is_cow is not None and _is_cow(t):
+        return storage._cdata
+    return storage.data_ptr()
 
 
 def _reach(t: Tensor) -> Tuple[bool, bool]:

@@ -11,8 +11,8 @@ the Function must keep what the call saw, and say what autograd says where it sa
   (``torch._lazy_clone``: differentiable at every level, so gradients and tangents reach
   ``h`` through it as before).  It costs no memory until the caller writes; only then does
   ``h`` get memory of its own.  Nothing may read a clone's data address: ``data_ptr()``
-  makes the copy (measured), so ``proof._storage_address`` names a copy on write by its
-  storage object.
+  makes the copy (measured), so the recompute's one address read (``basics._storage_start``)
+  names a copy on write by its storage object.
 * the call keeps the caller's tensor (under its torch.func wrappers) and its version.  Where
   the version moved by the recompute, the recompute moves the version of its own wrapper of
   that input once the block has run (``levels.vjp``'s ``written``): autograd then raises its
@@ -36,15 +36,13 @@ import torch
 from torch._C._functorch import _add_batch_dim, _unwrap_batched, get_interpreter_stack, maybe_get_level
 
 from .. import _state
-from .basics import _base, _version
+from .basics import VMAP_KEY, _base, _is_cow, _version
 from .refusals import ChangedSinceForward
 
 Tensor = torch.Tensor
 
 _lazy_clone = getattr(torch, "_lazy_clone", None)
-_VMAP_KEY = torch._C._functorch.TransformType.Vmap
 _top_hooks = _state.top_saved_tensor_hooks or (lambda: None)
-_is_cow = getattr(torch._C, "_is_cow_tensor", lambda tensor: True)
 
 
 def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
@@ -65,7 +63,7 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
             continue
         if kept is None:
             kept = list(operands)
-            if _under_vmap():
+            if not _LIBRARY and _under_vmap():
                 _register_vmap_rule()
         try:
             clone = _lazy_clone(t)
@@ -90,10 +88,12 @@ def written_since_call(root: Any, saved: Sequence[Tensor]) -> Tuple[int, ...]:
     written = []
     for watched in root.callers_inputs:
         i, base = watched.index, watched.tensor()
+        watched.let_go()
         if watched.written or base is not None and _version(base) != watched.version:
             watched.written = True
             written.append(i)
-        elif base is not None and not _is_cow(base) and i < len(saved) and not _same_values(base, _base(saved[i])):
+        elif base is not None and _is_cow is not None and not _is_cow(base) and i < len(saved) \
+                and not _same_values(base, _base(saved[i])):
             raise ChangedSinceForward(
                 "ckpt_guard's composable recompute: an input of a checkpointed call (a "
                 f"{tuple(base.shape)} tensor) was written after the call in a way that moves no version "
@@ -102,8 +102,6 @@ def written_since_call(root: Any, saved: Sequence[Tensor]) -> Tuple[int, ...]:
                 "so it stops here. Write into the tensor itself (autograd then speaks where the block "
                 "saved it), or write after the backward."
             )
-    for watched in root.callers_inputs:
-        watched.let_go()
     return tuple(written)
 
 
@@ -156,7 +154,7 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
 
 
 def _under_vmap() -> bool:
-    return any(level.key() == _VMAP_KEY for level in get_interpreter_stack() or ())
+    return any(level.key().value == VMAP_KEY for level in get_interpreter_stack() or ())
 
 
 _registered = threading.Lock()

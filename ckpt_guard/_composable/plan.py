@@ -166,9 +166,9 @@ class Plan:
         #: the inputs those outputs alias: handed to the Function as copies (the caller may write
         #: into them through the alias, as without checkpointing; the recompute reads the copy)
         self.aliased_inputs: List[int] = []
-        #: (index, the caller's tensor under its wrappers, its version) of each input handed to the
-        #: Function as a copy on write: the caller may write into it after the call (later_writes)
-        self.callers_inputs: List[tuple] = []
+        #: a ``later_writes.Watched`` (its index, the caller's tensor, its version) of each input handed
+        #: to the Function as a copy on write: the caller may write into it after the call
+        self.callers_inputs: List[Any] = []
         #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until used
         self.tangents: Optional[tuple] = None
         #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)

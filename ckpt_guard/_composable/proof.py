@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _files
 from .._state import is_user_generator, requires_grad_anywhere, requires_grad_of
+from .basics import _storage_start
 
 Tensor = torch.Tensor
 
@@ -500,24 +501,14 @@ _REQUIRES_GRAD_ = Tensor.requires_grad_
 
 
 def _storage_address(tensor: Tensor) -> Optional[int]:
-    """Where a tensor's memory starts (through torch.func's wrappers); None where there is none to read.
-
-    A copy on write (``later_writes``, and the tensor it was made from) is named by its storage
-    object instead: reading its data's address would make the copy (measured: ``data_ptr()``
-    materializes it), and until a write the two are separate tensors that share no element a
-    write could reach."""
+    """Where a tensor's memory starts (through torch.func's wrappers, ``basics._storage_start``); None
+    where there is none to read."""
     try:
         while is_functorch_wrapped_tensor(tensor):
             tensor = _get_unwrapped(tensor)
-        storage = tensor.untyped_storage()
-        if _is_cow(tensor):
-            return storage._cdata
-        return storage.data_ptr() or None
+        return _storage_start(tensor) or None
     except Exception:  # noqa: BLE001 - a tensor without storage (meta, a subclass): matched by identity only
         return None
-
-
-_is_cow = getattr(torch._C, "_is_cow_tensor", lambda tensor: False)
 
 
 def memory_span(tensor: Tensor) -> Optional[tuple]:
@@ -526,8 +517,7 @@ def memory_span(tensor: Tensor) -> Optional[tuple]:
     try:
         while is_functorch_wrapped_tensor(tensor):
             tensor = _get_unwrapped(tensor)
-        storage = tensor.untyped_storage()
-        address = storage._cdata if _is_cow(tensor) else storage.data_ptr()  # see _storage_address
+        address = _storage_start(tensor)
         if not address or tensor.numel() == 0:
             return None
         size = tensor.element_size()

@@ -89,7 +89,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import counters, residuals
-from .basics import _base
+from .basics import _base, _storage_start
 from .replay import _forward_mode_alive, _vmap_levels
 
 Tensor = torch.Tensor
@@ -177,13 +177,9 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
 
 def _address(t: Tensor) -> int:
     try:
-        storage = t.untyped_storage()
-        return storage._cdata if _is_cow(t) else storage.data_ptr()  # a copy on write's would make the copy
+        return _storage_start(t)
     except Exception:  # noqa: BLE001 - a tensor without storage of its own (a wrapper subclass): its id
         return id(t)
-
-
-_is_cow = getattr(torch._C, "_is_cow_tensor", lambda tensor: False)
 
 
 def _written_arguments(func: Any) -> tuple:
