@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import gc
 import itertools
 import json
 import re
@@ -54,6 +55,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 import ckpt_guard
 import meta_learning
+import process_state
 from ckpt_guard import CheckpointCompositionError, _composable
 
 D, T, BATCH = 4, 3, 2  # features, tokens per sample, samples (or tasks, or ensemble members)
@@ -868,54 +870,30 @@ def run_cell(cell: Cell) -> Outcome:
         # the cause is not found): there each compiled cell runs in a process of its own
         return _in_a_fresh_process(cell)
     meta = dict(fx_traceback.current_meta)
-    before = global_state()
+    before, keys = process_state.global_state(), process_state.dispatch_keys()
     try:
         outcome = _run_cell(cell)
     finally:
         fx_traceback.current_meta.clear()
         fx_traceback.current_meta.update(meta)
-    after = global_state()
-    if after != before:
+    if cell.compiled:
+        # a failed compile leaves its frames in reference cycles, and one of them may hold a C++ guard
+        # that puts back, when the collector frees it, the dispatch keys of the moment it was made: collected
+        # here, that lands on this cell by name rather than on whichever test runs at the next collection
+        gc.collect()
+    changed = process_state.put_back_if_changed(before, keys)
+    if changed:
         # a cell that leaves process-wide state behind fails by name, and the next cells start clean
-        # (once, at 0d7e5da, the matrix's last cells and 1,477 tests after it ran with grad mode off,
-        # and the run said only that the table was stale: not reproduced since)
-        _restore_global_state(before)
-        changed = {name: (was, now) for (name, was), (_, now) in zip(before, after) if was != now}
+        # (at 0d7e5da and e92e4e4, 1,477 and 1,651 later tests ran under a torch.func layer's dispatch keys)
+        if outcome.verdict == "n/a" and set(changed) <= set(process_state.DISPATCH_KEY_STATE):
+            # torch's own: the uncheckpointed program's compile fails too, and that failure is what
+            # leaks (Tensor.__repr__'s guard, see tests/process_state.py; measured on torch 2.13 in six
+            # such cells, none where the compile succeeds); the next cells start clean all the same
+            return outcome
         return Outcome("CRASH", f"the cell left process-wide state changed (before, after): {changed}")
     if cell.compiled and outcome.failed and COMPILER_FAILED_HERE[0]:
         return _in_a_fresh_process(cell)
     return outcome
-
-
-def global_state() -> tuple:
-    """The process-wide state a cell must leave as it found it, as (name, value) pairs."""
-    from torch._C._functorch import peek_interpreter_stack
-
-    from ckpt_guard import _state
-
-    hooks = _state.top_saved_tensor_hooks
-    return (
-        ("grad mode", torch.is_grad_enabled()),
-        ("inference mode", torch.is_inference_mode_enabled()),
-        ("forward grad", torch._C._is_fwd_grad_enabled()),
-        ("forward AD level", torch.autograd.forward_ad._current_level),
-        ("torch.func transforms", peek_interpreter_stack() is not None),
-        ("dispatch modes", torch._C._len_torch_dispatch_stack()),
-        ("function modes", torch._C._len_torch_function_stack()),
-        ("saved-tensor hooks", None if hooks is None else hooks() is not None),
-        ("saved-tensor hooks enabled", torch._C._autograd._saved_tensors_hooks_is_enabled()),
-        ("default dtype", torch.get_default_dtype()),
-        ("guard installed", ckpt_guard.is_installed()),
-    )
-
-
-def _restore_global_state(state: tuple) -> None:
-    values = dict(state)
-    torch.set_grad_enabled(values["grad mode"])
-    torch._C._set_fwd_grad_enabled(values["forward grad"])
-    torch.set_default_dtype(values["default dtype"])
-    if ckpt_guard.is_installed() != values["guard installed"]:
-        ckpt_guard.uninstall() if not values["guard installed"] else ckpt_guard.install("strict", rules={})
 
 
 #: set in a child process that runs one cell (see _in_a_fresh_process)

@@ -9,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import ckpt_guard
+import process_state
 
 
 def no_checkpoint(function, *args, use_reentrant=None, **kwargs):
@@ -111,6 +112,17 @@ def guard():
         yield
     finally:
         ckpt_guard.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _leaves_process_state_as_found():
+    """A test that leaves process-wide state changed fails by name, and the next test starts clean
+    (tests/process_state.py: otherwise every later test fails, far from the cause)."""
+    before, keys = process_state.global_state(), process_state.dispatch_keys()
+    yield
+    changed = process_state.put_back_if_changed(before, keys)
+    if changed:
+        pytest.fail(f"the test left process-wide state changed (before, after): {changed}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
