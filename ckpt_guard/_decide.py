@@ -31,7 +31,7 @@ import torch.utils.checkpoint as _torch_checkpoint
 from . import _composable, _config, _events, _state, _versions
 from ._actions import AS_ASKED, CALL_RULES_HERE, NON_REENTRANT_INSTEAD, NO_CHECKPOINT, NO_EARLY_STOP, PROCEED
 from ._drift_kinds import (
-    BINDINGS_INDEX, DRIFT_KINDS, HOOKS_INDEX, STEPS_INDEX, SWAPS_INDEX, TRAINING_INDEX, TRANSFORMS_INDEX,
+    BINDINGS_INDEX, COMPOSABLE_AVOIDS, DRIFT_KINDS, HOOKS_INDEX, STEPS_INDEX, TRAINING_INDEX, TRANSFORMS_INDEX,
 )
 from ._drift import (
     anticipated_rule, capture_without_mode_records, checked_call, device_watched_call,
@@ -657,8 +657,6 @@ def checkpoint_entry(function: Any, args: tuple, kwargs: dict, options: dict, or
 # What the composable recompute cannot undo: it replays the RNG, the default
 # dtype and autocast, and reads the tensors it lifted (swaps do not reach it),
 # but a train/eval switch or an optimizer step changes what it computes.
-#: what fallback runs as the composable recompute where only its risk shows at the call
-_SWAP_OR_TRANSFORMS = frozenset(DRIFT_RULES[i].id for i in (SWAPS_INDEX, TRANSFORMS_INDEX))
 _TRANSFORMS_ID = DRIFT_RULES[TRANSFORMS_INDEX].id
 
 # (their places in a capture, read directly before each recompute)
@@ -760,7 +758,7 @@ def composable_instead(
             return None  # nothing will be recomputed, or the user switched off the rule for this
         # only swaps and transforms matter here, not a mode's record
         rule = anticipated_rule(config, capture_without_mode_records(reads_target(function, args)))
-        if rule is None or rule.id not in _SWAP_OR_TRANSFORMS:
+        if rule is None or rule.id not in COMPOSABLE_AVOIDS:  # what fallback runs as the composable recompute
             return None
         anticipated = True
     built = _composable.plan(function, args, kwargs, context_fn=context_fn, preserve_rng_state=preserve_rng_state)

@@ -598,6 +598,7 @@ def anticipate(
     rule = anticipated_rule(config, forward_state, modes_managed, reentrant)
     if rule is None:
         return PROCEED
+    kind = kind_of(rule)
     return _run_plainly_for(
         rule, config, forward_state, reentrant, function, user_frame(sys._getframe(1))[0],
         action=(
@@ -606,7 +607,7 @@ def anticipate(
             "gradients (policy strict raises if it sees that happen at the recompute)"
         ),
         # what torch does when the recompute finds none of it (.backward() outside the transform)
-        symptom=kind_of(rule).case_symptom(forward_state[DRIFT_RULES.index(rule)], ()),
+        symptom=kind.case_symptom(forward_state[kind.index], ()),
     )
 
 

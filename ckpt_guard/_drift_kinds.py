@@ -11,6 +11,9 @@ the reader the record names (``_KIND_FOR_READER``):
   "was → now");
 * ``anticipated``: its risk is visible at the call (a swap, a user mode, a
   transform), so fallback can avoid it by not checkpointing;
+* ``composable_avoids``: the composable recompute does not meet it at all (it reads
+  what a swap lifted, and runs under the call's transforms), so fallback runs that
+  instead where only this risk shows at the call;
 * ``values_only``: which changes are Python values only, which strict and
   fallback replay without a word (the replay is the uncheckpointed program);
 * ``set_by_a_context``: whether a user ``context_fn`` could have made the change;
@@ -44,6 +47,7 @@ class DriftKind:
     """A drift rule whose behaviour is all its record's: compared, described, never replayed."""
 
     anticipated = False
+    composable_avoids = False
     #: ``values_only(was, now)``: the changes fallback and strict replay without a word, or None
     values_only: Optional[Callable[[Any, Any], bool]] = None
 
@@ -315,7 +319,7 @@ class BlockBindings(DriftKind):
 class TransformStack(DriftKind):
     """CKG104: the torch.func transform stack differs at the recompute (a ``jvp``, then ``.backward()``)."""
 
-    anticipated = True
+    anticipated = composable_avoids = True
 
     def case_symptom(self, was: Any, now: Any) -> str:
         if any(name == "jvp" for name, _ in was) and not any(name == "jvp" for name, _ in now):
@@ -339,7 +343,7 @@ class TransformStack(DriftKind):
 class SwappedReads(DriftKind):
     """CKG101: the forward ran inside a ``functional_call`` swap, the recompute after it."""
 
-    anticipated = True
+    anticipated = composable_avoids = True
 
     def __init__(self, index: int, rule: Rule) -> None:
         super().__init__(index, rule, relevance=_state.swapped_reads_relevant, change=_state.describe_swap_change)
@@ -413,9 +417,14 @@ QUIET_INDICES = tuple(sorted(
 TRANSFORMS_RULE = DRIFT_KINDS[TRANSFORMS_INDEX].rule
 
 
+#: the ids of the rules :attr:`DriftKind.composable_avoids` (fallback runs the composable recompute for them)
+COMPOSABLE_AVOIDS = frozenset(kind.rule.id for kind in DRIFT_KINDS if kind.composable_avoids)
+_KIND_BY_ID = {kind.rule.id: kind for kind in DRIFT_KINDS}
+
+
 def kind_of(rule: Rule) -> DriftKind:
-    """The kind of a drift rule's record (a drift rule's only: ``ValueError`` for another)."""
-    return DRIFT_KINDS[DRIFT_RULES.index(rule)]
+    """The kind of a drift rule's record (a drift rule's only: ``KeyError`` for another)."""
+    return _KIND_BY_ID[rule.id]
 
 
 def _derived_bindings(changes: list) -> Optional[list]:
