@@ -148,7 +148,9 @@ the walk *                      ``binding`` (with ``_state.closures``): what the
 the proof *                     ``proof.ReadCheck``: nothing needing a gradient was missed
 refusals                        ``refusals``: a :class:`Reason` of a class ``docs/limits.md`` lists
 the Function and its rules      ``function._Recompute``: backward, jvp, vmap, each again a
-                                recompute (JAX: one rule per transform)
+                                recompute (JAX: one rule per transform), over a
+                                ``function.Node``: a ``Plan``, its ``_Derivative`` or
+                                ``_Batched`` (``node.root``: the plan under it)
 levels *                        ``levels.apply``, ``levels.as_the_call_saw``: functorch's levels,
                                 and the ``requires_grad`` and grad mode the call saw
 the replayed world *            ``replay`` and ``Plan.replay``: RNG, dtype, device, autocast,

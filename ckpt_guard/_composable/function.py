@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch._C._functorch import _unwrap_for_grad, is_batchedtensor, maybe_get_level
@@ -33,6 +33,40 @@ from .proof import _storage_address
 from .replay import _forward_mode_alive, _vmap_level_of_rule
 
 
+class Node(Protocol):
+    """What ``_Recompute`` and its rules ask of the node it is applied to.
+
+    Three kinds: a :class:`Plan` (a checkpointed call), a :class:`_Derivative` (a node's vjp or
+    tangents, checkpointed as a block of its own) and a :class:`_Batched` (a node under vmap).
+    A derived node answers from its ``base``; ``root`` is the Plan at the bottom, whose
+    forward state (grad mode, the vmaps it ran under, the caller's inputs) every rule reads.
+    """
+
+    #: its operands that are inputs (those after them: the plain run's outputs, handed on)
+    n_inputs: int
+    #: whether the call's inputs required grad in eager autograd (a Plan's; None for a derived node)
+    eager_requires_grad: Optional[bool]
+
+    @property
+    def root(self) -> Plan: ...
+
+    def forward_outputs(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]: ...
+
+    def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]: ...
+
+    def replay(self) -> Any: ...
+
+    def for_recompute(self, tensors: Sequence[Tensor], copied: frozenset = frozenset()) -> Tuple[Tensor, ...]: ...
+
+    def differentiable_outputs(self) -> List[bool]: ...
+
+    def differentiable_inputs(self, forward: bool = False) -> List[bool]: ...
+
+    def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
+        """Whether vmap's ``in_dims`` batch none of this node's primals: only a derivative's
+        cotangents or tangents (jacrev's vmap over a pullback)."""
+
+
 class _Derivative:
     """The vjp (``"vjp"``) or the tangents (``"jvp"``) of a plan, as a block of its own.
 
@@ -42,7 +76,7 @@ class _Derivative:
     """
 
     def __init__(
-        self, base: Any, kind: str, wanted: List[int], present: Sequence[bool], copied: frozenset = frozenset(),
+        self, base: Node, kind: str, wanted: List[int], present: Sequence[bool], copied: frozenset = frozenset(),
     ) -> None:
         self.base, self.kind, self.wanted, self.present = base, kind, wanted, list(present)
         #: the base's inputs that came back from the user's saved-tensor hooks as copies (checked once)
@@ -51,6 +85,16 @@ class _Derivative:
         self.n_inputs = sys.maxsize  # all its operands are inputs: it computes its outputs
         #: (jvp level, tangents) of its outputs, computed where it ran at the caller's levels, until used
         self.tangents: Optional[tuple] = None
+
+    eager_requires_grad = None
+
+    @property
+    def root(self) -> Plan:
+        return self.base.root
+
+    def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
+        extra = sum(self.present) if self.kind == "vjp" else len(self.wanted)
+        return all(d is None for d in in_dims[: len(in_dims) - extra])
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
@@ -81,7 +125,7 @@ class _Derivative:
         # in the call's grad mode, as the jvp rule would run it: the pullback under the jvp then takes
         # the backward formulas the plain code takes (silu's plain kernel has no forward-mode formula);
         # what eager autograd records goes with the outputs, cut below
-        with torch.set_grad_enabled(_root(self).grad_mode):
+        with torch.set_grad_enabled(self.root.grad_mode):
             outputs = self._function(operands)
         kept = [_differentiable_dtype(o) for o in outputs]
         # None where an output carries no tangent (one the duals do not reach): the jvp rule then
@@ -129,14 +173,13 @@ class _Batched:
     """
 
     def __init__(
-        self, base: Any, in_dims: Sequence[Optional[int]], randomness: str, batch_size: int = 0,
+        self, base: Node, in_dims: Sequence[Optional[int]], randomness: str, batch_size: int = 0,
         precomputed_dims: Sequence[Optional[int]] = (),
     ) -> None:
         self.base, self.in_dims, self.batch_size = base, tuple(in_dims), batch_size
         self.n_inputs = base.n_inputs
-        if (
-            isinstance(base, _Derivative) and all(d is None for d in self.in_dims[: _primal_count(base, in_dims)])
-            and not _root(base).ran_under(_vmap_level_of_rule(), batch_size, randomness)
+        if base.batched_over_tangents_only(self.in_dims) and not base.root.ran_under(
+            _vmap_level_of_rule(), batch_size, randomness,
         ):
             # a derivative vmapped over its cotangents / tangents alone, under a vmap the forward did
             # not run under (jacrev's, over the pullback): its block's random draws replay an
@@ -170,6 +213,15 @@ class _Batched:
     def pure(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         return self._vmapped(self.base.pure, tensors)
 
+    eager_requires_grad = None
+
+    @property
+    def root(self) -> Plan:
+        return self.base.root
+
+    def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
+        return False
+
     def out_dims(self) -> Tuple[Optional[int], ...]:
         return tuple(0 if batched else None for batched in self.out_batched)
 
@@ -199,7 +251,7 @@ def _cut_from(outputs: Sequence[Tensor], operands: Sequence[Tensor]) -> Tuple[Te
     )
 
 
-def _take_tangents(node: Any, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
+def _take_tangents(node: Node, level: Optional[int]) -> Optional[Tuple[Tensor, ...]]:
     """The tangents a plan's plain run (or a derivative's run at the caller's levels) computed, kept
     in ``node.tangents`` as ``(jvp level, tangents)``, for the jvp rule of ``level``: once (a later
     call recomputes them)."""
@@ -209,11 +261,7 @@ def _take_tangents(node: Any, level: Optional[int]) -> Optional[Tuple[Tensor, ..
     return kept[1]
 
 
-def _primal_count(derivative: _Derivative, in_dims: Sequence[Any]) -> int:
-    return len(in_dims) - (sum(derivative.present) if derivative.kind == "vjp" else len(derivative.wanted))
-
-
-def _recompute_of(plan: Any) -> Callable[..., Tuple[Tensor, ...]]:
+def _recompute_of(plan: Node) -> Callable[..., Tuple[Tensor, ...]]:
     """The block as a function of all its inputs to its differentiable outputs."""
 
     def recompute(*tensors: Tensor) -> Tuple[Tensor, ...]:
@@ -222,7 +270,7 @@ def _recompute_of(plan: Any) -> Callable[..., Tuple[Tensor, ...]]:
     return recompute
 
 
-def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[Tuple[Tensor, ...], Callable[..., Any]]:
+def _vjp(plan: Node, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[Tuple[Tensor, ...], Callable[..., Any]]:
     """``(outputs, pullback)`` of the block with respect to the ``wanted`` inputs.
 
     Every input is wrapped at the new grad level (as ``torch.func.grad`` wraps
@@ -233,7 +281,7 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
     """
     # the plan's inputs come first (a derivative's cotangents follow); those the block never read (a
     # module's own parameters a functional_call swapped out) are not marked: nothing would see them
-    root = _root(plan)
+    root = plan.root
     # an input the caller wrote into since the call: the recompute read the call's copy, and autograd
     # raises where the block saved it, as without checkpointing (later_writes)
     written = _later_writes.written_since_call(root, tensors) if root.callers_inputs else ()
@@ -247,7 +295,7 @@ def _vjp(plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[T
 
 
 def _jvp(
-    plan: Any, tensors: Sequence[Tensor], wanted: Sequence[int], directions: Sequence[Tensor],
+    plan: Node, tensors: Sequence[Tensor], wanted: Sequence[int], directions: Sequence[Tensor],
 ) -> Tuple[Tensor, ...]:
     """The output tangents of the block along ``directions`` (of the ``wanted`` inputs).
 
@@ -256,7 +304,7 @@ def _jvp(
     unbatched tangents in place (under jacfwd) and fails.
     """
     recompute = _recompute_of(plan)
-    root = _root(plan)
+    root = plan.root
     grad_mode = root.grad_mode  # the call's: a block may branch on it (nn.TransformerEncoder's fast path)
     # (under the jvp every input reads requires_grad=False: the block sees what it saw at the call
     # through levels.as_the_call_saw, and kernels are chosen by it: an LSTM's fused one has a
@@ -274,12 +322,6 @@ def _jvp(
     # arguments): a BatchNorm's running statistics are then its own to update, not captured
     output_tangents = _jvp_with_argnums(along, tuple(given), tuple(directions), tuple(wanted), has_aux=False)[1]
     return tuple(output_tangents)
-
-
-def _root(node: Any) -> Plan:
-    while not isinstance(node, Plan):
-        node = node.base
-    return node
 
 
 def _unexpanded(t: Tensor) -> Tensor:
@@ -404,7 +446,7 @@ class _Recompute(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(node: Any, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(node: Node, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
         return node.forward_outputs(tensors)
 
     @staticmethod
@@ -438,7 +480,7 @@ class _Recompute(torch.autograd.Function):
         if not wanted:
             return (None,) * (1 + len(tensors)) + extra
         cotangents = [g for g, kept in zip(grad_outputs, plan.differentiable_outputs()) if kept]
-        if _differentiated_again(tensors, cotangents, saved_require_grad=getattr(plan, "eager_requires_grad", None)):
+        if _differentiated_again(tensors, cotangents, saved_require_grad=plan.eager_requires_grad):
             derivative = _Derivative(plan, "vjp", wanted, [c is not None for c in cotangents], copied)
             operands = (*tensors, *(c for c in cotangents if c is not None))
             grads = _levels.apply(derivative, *operands, *derivative.run_for_tangents(operands))

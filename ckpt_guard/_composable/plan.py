@@ -574,6 +574,14 @@ class Plan:
             return outputs[0]
         return _rebind.rebuild(template, dict(zip(self.output_ids, outputs)))
 
+    @property
+    def root(self) -> "Plan":
+        """The plan itself: the bottom of every node derived from it (``function.Node``)."""
+        return self
+
+    def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
+        return False  # a plan's operands are all primals (and the plain run's outputs)
+
     def differentiable_outputs(self) -> List[bool]:
         return self.output_kept
 
