@@ -870,6 +870,8 @@ def run_cell(cell: Cell) -> Outcome:
         # the cause is not found): there each compiled cell runs in a process of its own
         return _in_a_fresh_process(cell)
     meta = dict(fx_traceback.current_meta)
+    if cell.compiled:
+        gc.collect()  # what earlier cells left to the collector lands before this one (see below)
     before, keys = process_state.global_state(), process_state.dispatch_keys()
     try:
         outcome = _run_cell(cell)
