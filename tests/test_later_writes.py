@@ -160,20 +160,21 @@ COMPLEX_SAVES = {
 }
 
 
-def _complex_loss(ck, saves):
+def _complex_loss(ck, saves, conjugated=False):
     def loss(x):
         h = x.to(torch.complex128) @ CW1 + 0.1  # complex, made by the program
-        y = ck(COMPLEX_SAVES[saves], h)
+        y = ck(COMPLEX_SAVES[saves], h.conj() if conjugated else h)  # .conj(): a view with the conjugate bit
         h.add_(1.0)
         return (y.abs() ** 2).sum() + (h.abs() ** 2).sum()
     return loss
 
 
+@pytest.mark.parametrize("conjugated", [False, True], ids=["complex", "conjugate view"])
 @pytest.mark.parametrize("saves", list(COMPLEX_SAVES))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
-def test_a_complex_input_written_after_the_call_is_what_the_plain_program_does(transform, saves):
+def test_a_complex_input_written_after_the_call_is_what_the_plain_program_does(transform, saves, conjugated):
     plain = lambda f, *a: f(*a)  # noqa: E731
-    run = lambda ck: TRANSFORMS[transform](_hessian_input(transform, _complex_loss(ck, saves)))  # noqa: E731
+    run = lambda ck: TRANSFORMS[transform](_hessian_input(transform, _complex_loss(ck, saves, conjugated)))  # noqa: E731
     try:
         reference, plain_error = run(plain), None
     except RuntimeError as exc:

@@ -95,8 +95,11 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
 
 def _copy_on_write(t: Tensor) -> Tensor:
     """``torch._lazy_clone(t)``; a complex tensor's through its real view (``_lazy_clone`` has no complex
-    autograd formula, ``view_as_real`` and ``view_as_complex`` have: measured on 2.4.1, 2.13, 2.15)."""
+    autograd formula, ``view_as_real`` and ``view_as_complex`` have: measured on 2.4.1, 2.13, 2.15), a
+    conjugate view's through what it conjugates (``view_as_real`` refuses it; ``conj()`` is a view both ways)."""
     if t.is_complex():
+        if t.is_conj():
+            return _copy_on_write(t.conj()).conj()
         return torch.view_as_complex(_lazy_clone(torch.view_as_real(t)))
     return _lazy_clone(t)
 
