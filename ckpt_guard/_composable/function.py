@@ -92,12 +92,16 @@ class _Derivative:
     def root(self) -> Plan:
         return self.base.root
 
+    @property
+    def n_extra(self) -> int:
+        """How many operands follow the base's inputs: the cotangents present (vjp), the tangents (jvp)."""
+        return sum(self.present) if self.kind == "vjp" else len(self.wanted)
+
     def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
-        extra = sum(self.present) if self.kind == "vjp" else len(self.wanted)
-        return all(d is None for d in in_dims[: len(in_dims) - extra])
+        return all(d is None for d in in_dims[: len(in_dims) - self.n_extra])
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
-        n = len(tensors) - (sum(self.present) if self.kind == "vjp" else len(self.wanted))
+        n = len(tensors) - self.n_extra
         primals, extra = self.base.for_recompute(tensors[:n], self.copied), tensors[n:]
         with self.base.replay():
             if self.kind == "jvp":
@@ -160,8 +164,7 @@ class _Derivative:
         return self.output_kept
 
     def differentiable_inputs(self, forward: bool = False) -> List[bool]:
-        extra = sum(self.present) if self.kind == "vjp" else len(self.wanted)
-        return [*self.base.differentiable_inputs(forward), *([True] * extra)]
+        return [*self.base.differentiable_inputs(forward), *([True] * self.n_extra)]
 
 
 class _Batched:

@@ -44,7 +44,8 @@ import torch
 from torch._C._functorch import _add_batch_dim, _unwrap_batched, get_interpreter_stack, maybe_get_level
 
 from .. import _state
-from .basics import VMAP_KEY, _base, _is_cow, _storage_start, _version
+from .basics import VMAP_KEY, _base, _is_cow, _version
+from .proof import _storage_address
 from .refusals import ChangedSinceForward
 
 Tensor = torch.Tensor
@@ -66,10 +67,10 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
         if i not in skipped and (read is None or i in read) and not (t.is_leaf and t.requires_grad)
     ]
     if not candidates:
-        built.callers_inputs = []
         return operands
-    # read before any copy is made: the first copy on write of a storage renames it (basics._storage_start)
-    storages = [_storage_key(base) for *_, base in candidates]
+    # read before any copy is made: the first copy on write of a storage renames it (basics._storage_start);
+    # None: no storage to read (a subclass), not copied
+    storages = [_storage_address(base) for *_, base in candidates]
     together: Dict[Optional[int], int] = {}
     for (*_, base), key in zip(candidates, storages):
         together[key] = together.get(key, 0) + base.numel() * base.element_size()
@@ -160,15 +161,6 @@ class Watched:
             except TypeError:  # noqa: PERF203 - not weakly referable: forgotten (nothing reads it again)
                 self._ref = lambda: None
             self._held = None
-
-
-def _storage_key(base: Tensor) -> Optional[int]:
-    """The storage a tensor is a view into, as :func:`basics._storage_start` names it (None: no storage
-    to read, a subclass: not copied)."""
-    try:
-        return _storage_start(base)
-    except Exception:  # noqa: BLE001 - no storage to read
-        return None
 
 
 def _small_part_of_its_storage(base: Tensor, together: int) -> bool:
