@@ -124,16 +124,23 @@ def _run(transform, ck, saves, writer):
 @pytest.mark.parametrize("saves", list(SAVES))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_a_write_after_the_call_is_what_the_plain_program_does(transform, saves, writer, entry):
-    plain = lambda f, *a: f(*a)  # noqa: E731
+    policy, ck = ENTRIES[entry]
+    plain_error = _against_the_plain_program(
+        lambda ck: _run(transform, ck, saves, writer), saves != "nothing of its input", policy, ck,
+    )
+    assert plain_error is None or "modified by an inplace operation" in str(plain_error)
+
+
+def _against_the_plain_program(run, plain_raises, policy="strict", ck=ckpt_guard.checkpoint):
+    """The differential of a write after the call: ``run(plain)`` raises exactly where ``plain_raises`` says
+    (measured, never assumed); ``run(ck)`` with the guard installed under ``policy`` then raises autograd's
+    "modified by an inplace operation" there, and elsewhere equals the plain program, the recompute run.
+    Returns the plain program's error, or None."""
     try:
-        reference, plain_error = _run(transform, plain, saves, writer), None
+        reference, plain_error = run(lambda f, *a: f(*a)), None
     except RuntimeError as exc:
         reference, plain_error = None, exc
-    # measured, never assumed: the plain program raises exactly where the block saved its input
-    assert (plain_error is not None) == (saves != "nothing of its input"), plain_error
-    if plain_error is not None:
-        assert "modified by an inplace operation" in str(plain_error)
-    policy, ck = ENTRIES[entry]
+    assert (plain_error is not None) == plain_raises, plain_error
     before = _composable.counters.RECOMPUTES
     with _installed(policy), warnings.catch_warnings():
         # ckpt_guard.checkpoint has nothing to say here; fallback says what it ran instead of torch's checkpoint
@@ -142,11 +149,12 @@ def test_a_write_after_the_call_is_what_the_plain_program_does(transform, saves,
         warnings.filterwarnings("error", message=".*batching rule for aten::_lazy_clone")  # no copy by vmap's fallback
         if plain_error is not None:
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                _run(transform, ck, saves, writer)
-            return
-        got = _run(transform, ck, saves, writer)
+                run(ck)
+            return plain_error
+        got = run(ck)
     torch.testing.assert_close(got, reference)
     assert _composable.counters.RECOMPUTES > before  # checkpointed: the recompute ran
+    return None
 
 
 #: complex weights: the block's input is complex (torch's ``_lazy_clone`` has no complex autograd formula;
@@ -173,24 +181,10 @@ def _complex_loss(ck, saves, conjugated=False):
 @pytest.mark.parametrize("saves", list(COMPLEX_SAVES))
 @pytest.mark.parametrize("transform", list(TRANSFORMS))
 def test_a_complex_input_written_after_the_call_is_what_the_plain_program_does(transform, saves, conjugated):
-    plain = lambda f, *a: f(*a)  # noqa: E731
-    run = lambda ck: TRANSFORMS[transform](_hessian_input(transform, _complex_loss(ck, saves, conjugated)))  # noqa: E731
-    try:
-        reference, plain_error = run(plain), None
-    except RuntimeError as exc:
-        reference, plain_error = None, exc
-    assert (plain_error is not None) == (saves != "nothing of its input"), plain_error
-    before = _composable.counters.RECOMPUTES
-    with _installed("strict"), warnings.catch_warnings():
-        warnings.simplefilter("error", ckpt_guard.CheckpointCompositionWarning)
-        warnings.filterwarnings("error", message=".*batching rule for aten::_lazy_clone")
-        if plain_error is not None:
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                run(ckpt_guard.checkpoint)
-            return
-        got = run(ckpt_guard.checkpoint)
-    torch.testing.assert_close(got, reference)
-    assert _composable.counters.RECOMPUTES > before
+    _against_the_plain_program(
+        lambda ck: TRANSFORMS[transform](_hessian_input(transform, _complex_loss(ck, saves, conjugated))),
+        saves != "nothing of its input",
+    )
 
 
 def test_raw_torch_refuses_these_programs():
@@ -389,27 +383,13 @@ def _split_loss(ck, saves):
 def test_views_that_together_span_their_storage_are_copied_on_write(transform, saves):
     """Views into one storage that the call's inputs span together (more than half of it) are copied on
     write as a whole tensor is: a later write into the storage is what the plain program does."""
-    plain = lambda f, *a: f(*a)  # noqa: E731
-    run = lambda ck: TRANSFORMS[transform](_hessian_input(transform, _split_loss(ck, saves)))  # noqa: E731
-    try:
-        reference, plain_error = run(plain), None
-    except RuntimeError as exc:
-        reference, plain_error = None, exc
-    assert (plain_error is not None) == (saves != "nothing of its inputs"), plain_error
+    plain_error = _against_the_plain_program(
+        lambda ck: TRANSFORMS[transform](_hessian_input(transform, _split_loss(ck, saves))),
+        saves != "nothing of its inputs",
+    )
     # (the plain program's words there: "Output 1 of Split is a view and its base ... has been modified
     # inplace"; the recompute's saved copies are no views, so autograd says "modified by an inplace operation")
     assert plain_error is None or "modified inplace" in str(plain_error), plain_error
-    before = _composable.counters.RECOMPUTES
-    with _installed("strict"), warnings.catch_warnings():
-        warnings.simplefilter("error", ckpt_guard.CheckpointCompositionWarning)
-        warnings.filterwarnings("error", message=".*batching rule for aten::_lazy_clone")
-        if plain_error is not None:
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                run(ckpt_guard.checkpoint)
-            return
-        got = run(ckpt_guard.checkpoint)
-    torch.testing.assert_close(got, reference)
-    assert _composable.counters.RECOMPUTES > before
 
 
 def test_a_row_of_a_larger_buffer_is_saved_as_it_is():
