@@ -66,6 +66,10 @@ class Node(Protocol):
         """Whether vmap's ``in_dims`` batch none of this node's primals: only a derivative's
         cotangents or tangents (jacrev's vmap over a pullback)."""
 
+    def tangent_operands(self, inputs: Sequence[int], n_operands: int) -> Tuple[int, ...]:
+        """The positions, among this node's ``n_operands`` operands, of the tangents of the call's
+        ``inputs`` (a jvp derivative's directions); ``()`` for a node that takes none."""
+
 
 class _Derivative:
     """The vjp (``"vjp"``) or the tangents (``"jvp"``) of a plan, as a block of its own.
@@ -99,6 +103,14 @@ class _Derivative:
 
     def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
         return all(d is None for d in in_dims[: len(in_dims) - self.n_extra])
+
+    def tangent_operands(self, inputs: Sequence[int], n_operands: int) -> Tuple[int, ...]:
+        if self.kind != "jvp" or self.base is not self.root:
+            # a derivative of a derivative: its directions are the tangents of its base's operands at
+            # a level of its own, not the call's (not watched: see later_writes)
+            return ()
+        first = n_operands - self.n_extra  # the directions follow the base's inputs, in wanted's order
+        return tuple(first + k for k, i in enumerate(self.wanted) if i in inputs)
 
     def _function(self, tensors: Sequence[Tensor]) -> Tuple[Tensor, ...]:
         n = len(tensors) - self.n_extra
@@ -225,6 +237,9 @@ class _Batched:
     def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
         return False
 
+    def tangent_operands(self, inputs: Sequence[int], n_operands: int) -> Tuple[int, ...]:
+        return self.base.tangent_operands(inputs, n_operands)
+
     def out_dims(self) -> Tuple[Optional[int], ...]:
         return tuple(0 if batched else None for batched in self.out_batched)
 
@@ -288,6 +303,9 @@ def _vjp(plan: Node, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[
     # an input the caller wrote into since the call: the recompute read the call's copy, and autograd
     # raises where the block saved it, as without checkpointing (later_writes)
     written = _later_writes.written_since_call(root, tensors) if root.callers_inputs else ()
+    if root.callers_tangents:
+        # ... or into its tangent, where this node computes tangents from a copy of it (jvp, then .backward())
+        written += plan.tangent_operands(_later_writes.tangents_written_since_call(root), len(tensors))
     if written:
         # ... where the plain run's graph saved it: that graph tracked only what this level differentiates,
         # so nothing more is marked here (the block still reads requires_grad as the call saw it, on a

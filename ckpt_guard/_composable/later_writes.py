@@ -26,6 +26,13 @@ the Function must keep what the call saw, and say what autograd says where it sa
   that input once the block has run (``levels.vjp``'s ``written``): autograd then raises its
   own "modified by an inplace operation" exactly where the block's graph saved that input or
   a view of it, as without checkpointing, and the gradient is the plain program's elsewhere.
+* under forward mode a write into the input writes its tangent too (a dual's tangent is updated in
+  place); where something differentiates the tangents (jvp, then ``.backward()``), autograd raises
+  where the block's tangent graph saved that tangent (``exp(h)``'s, ``exp(h) * h_dot``).  The call
+  keeps the caller's tangent and its version as well (:func:`tangents_written_since_call`); the jvp
+  derivative's recompute moves the version of its own wrapper of that direction.  The Function's
+  tangent is a copy on write of the caller's (``_lazy_clone``'s forward formula), so keeping it costs
+  nothing until written.
 
 torch has no vmap rule for ``_lazy_clone`` (its fallback copies and warns: measured on
 2.4 and 2.13); :func:`_batched_lazy_clone` is one (the clone of the tensor under the batch
@@ -76,6 +83,8 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
         together[key] = together.get(key, 0) + base.numel() * base.element_size()
     kept: Optional[List[Tensor]] = None
     callers: List[Watched] = []
+    tangents: List[Watched] = []
+    dual = _state.forward_ad._current_level >= 0  # a jvp or dual level: the inputs may carry tangents
     for (i, t, base), key in zip(candidates, storages):
         if key is None or _small_part_of_its_storage(base, together[key]):
             continue
@@ -88,9 +97,13 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
         except Exception:  # noqa: BLE001 - a tensor torch cannot clone so (a subclass, sparse): kept as it is
             continue
         callers.append(Watched(i, base, _version(base)))
+        if dual:
+            tangent = _tangent_of(t)
+            if tangent is not None:
+                tangents.append(Watched(i, tangent, _version(tangent)))
         kept[i] = clone
         built.versions_after[i] = None  # no one else writes the copy
-    built.callers_inputs = callers
+    built.callers_inputs, built.callers_tangents = callers, tangents
     return operands if kept is None else kept
 
 
@@ -134,8 +147,34 @@ def written_since_call(root: Any, saved: Sequence[Tensor]) -> Tuple[int, ...]:
     return tuple(written)
 
 
+def tangents_written_since_call(root: Any) -> Tuple[int, ...]:
+    """The inputs whose tangents the caller wrote into since the call (a write into a dual writes its
+    tangent too: ``h.mul_(2)``, ``h.add_(1)``, measured).  Without checkpointing, autograd raises where
+    the block's tangent graph saved that tangent and something differentiates the tangents (jvp, then
+    ``.backward()``); the jvp derivative's recompute then moves its own copy's version the same way
+    (``function._vjp``)."""
+    written = []
+    for watched in root.callers_tangents:
+        tangent = watched.tensor()
+        watched.let_go()
+        if watched.written or tangent is not None and _version(tangent) != watched.version:
+            watched.written = True
+            written.append(watched.index)
+    return tuple(written)
+
+
+def _tangent_of(t: Tensor) -> Optional[Tensor]:
+    """The tensor under every wrapper of ``t``'s tangent at the innermost dual level, or None."""
+    try:
+        tangent = _state.forward_ad.unpack_dual(t).tangent
+    except Exception:  # noqa: BLE001 - a tensor forward mode cannot unpack (a subclass): not watched
+        return None
+    return None if tangent is None else _base(tangent)
+
+
 class Watched:
-    """An input handed to the Function as a copy on write: the caller's tensor and its version at the call.
+    """An input handed to the Function as a copy on write (or its tangent): the caller's tensor and its
+    version at the call.
 
     The caller's tensor is held until the first recompute has read it (until then it shares its memory
     with the copy, so holding it costs nothing), then only weakly: held through the backward, every

@@ -169,6 +169,9 @@ class Plan:
         #: a ``later_writes.Watched`` (its index, the caller's tensor, its version) of each input handed
         #: to the Function as a copy on write: the caller may write into it after the call
         self.callers_inputs: List[Any] = []
+        #: a ``later_writes.Watched`` of the tangent of each of those inputs, where a forward-mode level
+        #: gave it one (a write into the input moves it too: the tangent graph may have saved it)
+        self.callers_tangents: List[Any] = []
         #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until used
         self.tangents: Optional[tuple] = None
         #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
@@ -581,6 +584,9 @@ class Plan:
 
     def batched_over_tangents_only(self, in_dims: Sequence[Any]) -> bool:
         return False  # a plan's operands are all primals (and the plain run's outputs)
+
+    def tangent_operands(self, inputs: Sequence[int], n_operands: int) -> Tuple[int, ...]:
+        return ()  # ... no tangent among them
 
     def differentiable_outputs(self) -> List[bool]:
         return self.output_kept
