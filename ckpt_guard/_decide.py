@@ -721,11 +721,11 @@ def watch_composable_recompute(built: Any, reentrant: bool, config: _config.Conf
     same modules as the call's function but none of the call's tensors.
     """
     forward_site = (site_frame.f_code, site_frame.f_lasti) if site_frame is not None else (None, 0)
-    function = built.function
-    built.check_recompute = _partial(
+    function = built.at_call.function
+    built.before_each_recompute(_partial(
         _check_composable_recompute, function, reentrant, config, _module_training(function), _optimizer_steps(),
         forward_site, _state.transform_stack(),  # the transforms: for the message only (about 2 µs)
-    )
+    ))
 
 
 def composable_instead(

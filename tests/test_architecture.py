@@ -233,6 +233,40 @@ def test_a_drift_rule_is_one_object_no_branch_outside_it_names_its_reader():
     assert set(_KIND_FOR_READER) <= {rule.read for rule in DRIFT_RULES}
 
 
+#: a plan's three records (``_composable/records.py``) and the one file that writes each
+RECORD_WRITERS = {
+    "at_call": "ckpt_guard._composable.records",  # made whole by its constructor
+    "found": "ckpt_guard._composable.plan",
+    "world": "ckpt_guard._composable.plan",
+}
+
+
+def _record_written(target: ast.AST) -> str:
+    """The record a store writes into (``plan.found.read = ...``, ``plan.found.versions_after[i] = ...``), or ''."""
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Attribute):
+        return target.value.attr if target.value.attr in RECORD_WRITERS else ""
+    return ""
+
+
+def test_each_record_of_a_plan_has_one_writer():
+    """Issue 49, item 3: what the call is, what its first forward found and the world a recompute replays
+    are three records; each field is assigned in one file only (others ask the plan: ``Plan.refuse``,
+    ``Plan.hand_in_copy``, ...).  The records file itself writes only ``self``'s fields."""
+    strays = []
+    for name in MODULES:
+        for node in ast.walk(_tree(name)):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                for leaf in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                    record = _record_written(leaf)
+                    if record and RECORD_WRITERS[record] != name:
+                        strays.append(f"{name}:{node.lineno} writes {record}")
+    assert not strays, "a record written outside its one writer:\n" + "\n".join(strays)
+
+
 def test_every_module_says_what_it_owns():
     for name in MODULES:
         doc = ast.get_docstring(_tree(name))

@@ -14,6 +14,8 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
                was lifted, or the call is refused
 ``plan``       :class:`Plan`, the node the Function carries: the first forward, what
                a recompute starts from, the replay of the forward's world
+``records``    what a plan keeps: the call (``at_call``), what its first forward found
+               (``found``), the world a recompute replays (``world``); one writer each
 ``replay``     what is put back for each recompute (RNG, dtype, hooks, eager stance)
 ``saving``     a save policy (selective checkpointing): what the first forward keeps,
                handed back to each recompute instead of run again; names
@@ -28,7 +30,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 =============  ===================================================================
 
 Dependencies point down that table's layers: ``call`` → ``function`` →
-``plan`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``.
+``plan`` → ``records`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``.
 This package is an engine with its doors outside it: it reads the state (``_state``), the
 configuration, the rule table and the exceptions, and nothing here imports the decision
 (``_decide``, ``_drift``, ``_messages``) or a door (``tests/test_architecture.py`` checks it,
@@ -142,7 +144,8 @@ the doors                       ``_entry.public_checkpoint`` and fallback's
                                 ``_decide.checkpoint_entry``, both through
                                 ``_decide.run_composable`` (JAX: ``checkpoint()``)
 the plan                        ``plan.Plan``: the call, its first forward, what a recompute
-                                starts from (JAX: the primitive and its jaxpr)
+                                starts from (JAX: the primitive and its jaxpr), kept in three
+                                ``records``: ``at_call``, ``found``, ``world``
 the walk *                      ``binding`` (with ``_state.closures``): what the block reaches,
                                 lifted as inputs; ``shapes``: a module's walk kept *
 the proof *                     ``proof.ReadCheck``: nothing needing a gradient was missed
@@ -155,7 +158,7 @@ levels *                        ``levels.apply``, ``levels.as_the_call_saw``: fu
                                 and the ``requires_grad`` and grad mode the call saw
 the replayed world *            ``replay`` and ``Plan.replay``: RNG, dtype, device, autocast,
                                 hooks, the modules' values, globals, containers
-in-place writes *               ``Plan.pre_forward``/``written``: copies of what a write reaches;
+in-place writes *               ``found.pre_forward``/``written``: copies of what a write reaches;
                                 ``later_writes``: the caller's writes after the call
 save policies                   ``saving`` (JAX: the policy predicate and ``name_p``)
 the residuals report            ``residuals`` (JAX: ``saved_residuals``)

@@ -42,7 +42,7 @@ def plan(
     differentiate the call (``jvp``, ``jacfwd``, ``linearize``, a forward
     ``vmap``), nothing would be recomputed: a reason that is only about the
     recompute does not refuse the call then; the plan runs the block plainly
-    (its :attr:`Plan.refusal` set) and that is the result.
+    (its ``found.refusal`` set) and that is the result.
     """
     why = _why_not_packed(function, args, kwargs)
     held = None
@@ -56,7 +56,7 @@ def plan(
             return why
     built = Plan(function, args, kwargs, held, context_fn)
     if why is None:
-        lifted = {id(t) for t in built.inputs}
+        lifted = {id(t) for t in built.at_call.inputs}
         unlifted = [t for t in held.unbindable if _carries_gradient(t)]
         if unlifted:
             names = _global_names(function, unlifted[0])
@@ -75,9 +75,9 @@ def plan(
             )
             if _reverse_mode_possible(args, kwargs, held):
                 return why
-    if not built.inputs:
+    if not built.at_call.inputs:
         return "it reads no tensor: there is nothing to recompute"
-    built.refusal = why  # no reverse mode can follow: the plain run is the result, whatever this says
+    built.refuse(why)  # no reverse mode can follow: the plain run is the result, whatever this says
     return built
 
 
@@ -238,10 +238,10 @@ def _run(built: Plan) -> Any:
     found = _output_tensors(output)
     if not _reverse_mode_can_follow(found):  # forward mode and vmap keep nothing: nothing to save
         built.release()
-        built.unpacked = built.refusal or NOTHING_TO_SAVE
+        built.unpacked = built.found.refusal or NOTHING_TO_SAVE
         return output
-    if built.refusal is not None:
-        reason = built.refusal
+    if built.found.refusal is not None:
+        reason = built.found.refusal
         built.release()
         raise Refused(reason, output)
     precomputed = built.precomputed(output)
@@ -249,7 +249,7 @@ def _run(built: Plan) -> Any:
     if overlap is not None:  # outputs sharing memory: the Function's would not, so a write into one would miss the other
         built.release()
         raise Refused(overlap, output)
-    if len(built.aliases) == len(found):  # every output is an input or a view of one: nothing to save
+    if len(built.found.aliases) == len(found):  # every output is an input or a view of one: nothing to save
         built.release()
         built.unpacked = NOTHING_TO_SAVE
         return output
@@ -257,13 +257,13 @@ def _run(built: Plan) -> Any:
     # an output that is an input, or a view of one, is the caller's as the plain run made it: an
     # update in place of it reaches the input, as without checkpointing (a Function's output cannot
     # be a view under torch.func); its graph is a view's, or the block's in-place updates of that input
-    aliases = [(i, found[i]) for i in built.aliases]
+    aliases = [(i, found[i]) for i in built.found.aliases]
     del found, output  # the plain run's graph goes with them
     # an input the forward updated in place (a BatchNorm's running statistics) is handed in as the copy
     # of what the forward started from: the Function saves that, so a later update of the live one (the
     # same module called again) is no change to what this recompute reads
-    operands = [built.pre_forward.get(i, t) for i, t in enumerate(built.inputs)] if built.pre_forward else built.inputs
-    if built.read is not None and len(built.read) < len(operands):
+    operands = [built.found.pre_forward.get(i, t) for i, t in enumerate(built.at_call.inputs)] if built.found.pre_forward else built.at_call.inputs
+    if built.found.read is not None and len(built.found.read) < len(operands):
         # an input the forward never read (a stale tensor an RNN's _flat_weights still holds after a
         # functional_call, a parameter of a submodule the block did not call) is handed in cut from its
         # graph: without checkpointing nothing connects it to the outputs, so neither may the Function
@@ -271,17 +271,17 @@ def _run(built: Plan) -> Any:
         # (an eager tensor only: a torch.func wrapper of a level gone since is left as it is, which
         # nothing differentiates, and detaching it trips functorch's "escaped?" assertion)
         operands = [
-            t if i in built.read or _state.is_functorch_wrapped_tensor(t) or not t.requires_grad else t.detach()
+            t if i in built.found.read or _state.is_functorch_wrapped_tensor(t) or not t.requires_grad else t.detach()
             for i, t in enumerate(operands)
         ]
-    if built.aliased_inputs:
+    if built.found.aliased_inputs:
         # an input an output aliases: the caller may write into it through that output, as without
         # checkpointing; the Function is handed a copy (connected to it), which no one else can write
         operands = list(operands)
-        for i in built.aliased_inputs:
-            if i not in built.pre_forward:
+        for i in built.found.aliased_inputs:
+            if i not in built.found.pre_forward:
                 operands[i] = operands[i].clone()
-                built.versions_after[i] = None
+                built.hand_in_copy(i)
     # an input the caller may write into after the call (``h.add_(1)``): the Function keeps a copy on write
     operands = _later_writes.copies_on_write(built, operands)
     outputs = _levels.apply(built, *operands, *precomputed)
@@ -293,7 +293,6 @@ def _run(built: Plan) -> Any:
             outputs[i] = plain
     result = built.rebuild(outputs)
     built.release()
-    built.output_template = None  # the forward's outputs: the backward does not need them
     return result
 
 

@@ -141,7 +141,7 @@ class _Derivative:
         # in the call's grad mode, as the jvp rule would run it: the pullback under the jvp then takes
         # the backward formulas the plain code takes (silu's plain kernel has no forward-mode formula);
         # what eager autograd records goes with the outputs, cut below
-        with torch.set_grad_enabled(self.root.grad_mode):
+        with torch.set_grad_enabled(self.root.at_call.grad_mode):
             outputs = self._function(operands)
         kept = [_differentiable_dtype(o) for o in outputs]
         # None where an output carries no tangent (one the duals do not reach): the jvp rule then
@@ -302,8 +302,8 @@ def _vjp(plan: Node, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[
     root = plan.root
     # an input the caller wrote into since the call: the recompute read the call's copy, and autograd
     # raises where the block saved it, as without checkpointing (later_writes)
-    written = _later_writes.written_since_call(root, tensors) if root.callers_inputs else ()
-    if root.callers_tangents:
+    written = _later_writes.written_since_call(root, tensors) if root.found.callers_inputs else ()
+    if root.found.callers_tangents:
         # ... or into its tangent, where this node computes tangents from a copy of it (jvp, then .backward())
         written += plan.tangent_operands(_later_writes.tangents_written_since_call(root), len(tensors))
     if written:
@@ -311,7 +311,7 @@ def _vjp(plan: Node, tensors: Sequence[Tensor], wanted: Sequence[int]) -> Tuple[
         # so nothing more is marked here (the block still reads requires_grad as the call saw it, on a
         # level of its own that nothing differentiates: levels.as_the_call_saw)
         return _levels.vjp(_recompute_of(plan), tensors, wanted, (), written)
-    marked = [i for i, need in root.requires_grad_read if need and i not in wanted]
+    marked = [i for i, need in root.found.requires_grad_read if need and i not in wanted]
     return _levels.vjp(_recompute_of(plan), tensors, wanted, marked)
 
 
@@ -326,7 +326,7 @@ def _jvp(
     """
     recompute = _recompute_of(plan)
     root = plan.root
-    grad_mode = root.grad_mode  # the call's: a block may branch on it (nn.TransformerEncoder's fast path)
+    grad_mode = root.at_call.grad_mode  # the call's: a block may branch on it (nn.TransformerEncoder's fast path)
     # (under the jvp every input reads requires_grad=False: the block sees what it saw at the call
     # through levels.as_the_call_saw, and kernels are chosen by it: an LSTM's fused one has a
     # forward-mode formula that fails under jacfwd)

@@ -63,12 +63,13 @@ _top_hooks = _state.top_saved_tensor_hooks or (lambda: None)
 
 def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
     """The Function's operands, each input a caller can write handed in as a copy on write;
-    ``built.callers_inputs`` keeps a :class:`Watched` of each."""
+    ``built.found.callers_inputs`` keeps a :class:`Watched` of each."""
     if _lazy_clone is None or _top_hooks() is not None:
         return operands  # the user's saved-tensor hooks judge saved inputs by their memory (function._copied_by_hooks)
-    bound = {i for *_, i in built.slots}
-    skipped = bound.union(built.pre_forward, built.aliased_inputs)
-    read = built.read
+    found = built.found
+    bound = {i for *_, i in found.slots}
+    skipped = bound.union(found.pre_forward, found.aliased_inputs)
+    read = found.read
     candidates = [
         (i, t, _base(t)) for i, t in enumerate(operands[: built.n_inputs])
         if i not in skipped and (read is None or i in read) and not (t.is_leaf and t.requires_grad)
@@ -102,8 +103,8 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
             if tangent is not None:
                 tangents.append(Watched(i, tangent, _version(tangent)))
         kept[i] = clone
-        built.versions_after[i] = None  # no one else writes the copy
-    built.callers_inputs, built.callers_tangents = callers, tangents
+        built.hand_in_copy(i)
+    built.watch_callers(callers, tangents)
     return operands if kept is None else kept
 
 
@@ -128,7 +129,7 @@ def written_since_call(root: Any, saved: Sequence[Tensor]) -> Tuple[int, ...]:
     read its address, ``data_ptr()``, which makes the copy too).
     """
     written = []
-    for watched in root.callers_inputs:
+    for watched in root.found.callers_inputs:
         i, base = watched.index, watched.tensor()
         watched.let_go()
         if watched.written or base is not None and _version(base) != watched.version:
@@ -154,7 +155,7 @@ def tangents_written_since_call(root: Any) -> Tuple[int, ...]:
     ``.backward()``); the jvp derivative's recompute then moves its own copy's version the same way
     (``function._vjp``)."""
     written = []
-    for watched in root.callers_tangents:
+    for watched in root.found.callers_tangents:
         tangent = watched.tensor()
         watched.let_go()
         if watched.written or tangent is not None and _version(tangent) != watched.version:

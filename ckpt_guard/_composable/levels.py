@@ -350,27 +350,27 @@ def as_the_call_saw(run: Callable[[Sequence[Tensor]], Tuple[Tensor, ...]], tenso
     what it wraps read False, whatever lies below.  What the block reads is
     decided by the level on top (a wrapper reads its own level's flag, and what
     the block computes is wrapped at the top level), so where the recompute's
-    top is not the call's kind, or an input the block read (``plan.requires_grad_read``:
+    top is not the call's kind, or an input the block read (``plan.found.requires_grad_read``:
     a module's parameters a ``functional_call`` swapped out are lifted, never
     read) reads otherwise, the block runs under one more level on top, of the
     call's kind: a grad level whose wrappers require grad where the call's
     inputs did, or a jvp level (no tangent) wrapping the inputs the call's jvp
-    level wrapped (``plan.wrapped_at_top``).  Nothing differentiates that level:
+    level wrapped (``plan.at_call.wrapped_at_top``).  Nothing differentiates that level:
     its graph goes when it exits.  Usually nothing differs (``grad``,
     ``vmap(grad)``: :func:`vjp` marks what the call saw requiring grad): a peek
     and one flag read per input.  (A vmap on top at the call is not made again:
     what it wraps reads False, as under the recompute's own vmap.)
     """
-    call_top = plan.top_at_call
+    call_top = plan.at_call.top_at_call
     top = _peek_interpreter_stack()
     now = None if top is None else top.key().value
     if call_top == _JVP and now != _JVP:
-        return _under_a_jvp_level(run, tensors, plan.wrapped_at_top)
+        return _under_a_jvp_level(run, tensors, plan.at_call.wrapped_at_top)
     if call_top == _GRAD and now != _GRAD:
-        return _under_a_grad_level(run, tensors, plan.needs)
-    for i, need in plan.requires_grad_read:
+        return _under_a_grad_level(run, tensors, plan.at_call.needs)
+    for i, need in plan.found.requires_grad_read:
         if tensors[i].requires_grad is not need:
-            return _under_a_grad_level(run, tensors, plan.needs)
+            return _under_a_grad_level(run, tensors, plan.at_call.needs)
     return run(tensors)
 
 

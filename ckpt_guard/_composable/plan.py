@@ -11,16 +11,13 @@ rules (``function``) or the decision to pack (``call``).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import sys
-import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint as _tuc
 from torch._C._functorch import current_level as _current_level
-from torch._C._functorch import is_batchedtensor as _is_batched, maybe_get_level as _level_of
 
 from . import proof as _proof
 from . import binding as _rebind
@@ -29,9 +26,8 @@ from . import levels as _levels
 from . import residuals as _residuals
 from . import saving as _saving
 from .. import _state
-from .basics import (
-    JVP_KEY, SELECTIVE_CACHING_MODE, Module, Tensor, _base, _carries_gradient, _differentiable_dtype, _reach, _version,
-)
+from .basics import SELECTIVE_CACHING_MODE, Tensor, _base, _differentiable_dtype, _version
+from .records import CallRecord, ForwardRecord, ReplayWorld
 from .refusals import ChangedSinceForward, Reason
 from .replay import (
     _NO_CONTEXT, _compiled_code_eager, _contents_to_replay, _forward_rng, _global_hooks, _global_hooks_as,
@@ -52,184 +48,52 @@ class Plan:
     def __init__(
         self, function: Callable[..., Any], args: tuple, kwargs: dict, held: _rebind.Holdings, context_fn: Any,
     ) -> None:
-        #: the call as made (for messages); :meth:`release` drops it once the forward has run
-        self.original_function, self.args, self.kwargs = function, args, kwargs
-        slots = []  # (module, store, name, tensor): every parameter, buffer and plain tensor attribute
-        for module in held.modules:
-            for store in ("_parameters", "_buffers"):
-                for name, tensor in module.__dict__[store].items():
-                    if isinstance(tensor, Tensor):
-                        slots.append((module, store, name, tensor))
-        attributes = []
-        for module, name, value in held.attributes:
-            if isinstance(value, Tensor):
-                slots.append((module, "__dict__", name, value))
-            else:
-                attributes.append((module, name, value))
-        inputs: dict = {}
-        for *_, tensor in slots:
-            inputs.setdefault(id(tensor), tensor)
-        for tensor in held.tensors:
-            if _carries_gradient(tensor):
-                inputs.setdefault(id(tensor), tensor)
-        for tensor in held.arguments:
-            inputs.setdefault(id(tensor), tensor)
-        self.inputs: Tuple[Tensor, ...] = tuple(inputs.values())
-        # The block as a graph with holes where the inputs go: the plan lives as long as the
-        # backward may run, and must not hold the call's tensors (nor the graphs they hold).
-        index = {key: i for i, key in enumerate(inputs)}
-        templates: list = []  # made once, where something is templated (a module block on tensors: nothing)
-
-        def template(value: Any) -> Tuple[Any, bool]:
-            if not templates:
-                templates.append(_rebind._Rebuild({key: _rebind.Hole(i) for key, i in index.items()}))
-            return templates[0](value)
-
-        if isinstance(held.frozen, Module):  # a module is bound, never rebuilt
-            self.function, function_holes = held.frozen, False
-        else:
-            self.function, function_holes = template(held.frozen)  # its closures frozen (see the module docstring)
-        #: the arguments as input indices where they are all lifted tensors (``checkpoint(block, h)``,
-        #: the usual call): each recompute hands them on without walking a template; else None
-        self.flat_args: Optional[List[int]] = None
-        if not kwargs and all(isinstance(a, Tensor) and id(a) in index for a in args):
-            self.flat_args = [index[id(a)] for a in args]
-            self.call_args: Any = None
-        else:
-            self.call_args = template((args, kwargs))[0]
-        #: (module, store, name, input index)
-        self.slots = [(module, store, name, index[id(tensor)]) for module, store, name, tensor in slots]
-        #: id of each input -> (a weak reference to it, its index), where the block is bound on modules: a
-        #: block that writes one of the call's tensors into its own slot as it runs (higher's patched
-        #: modules, each call) gets the recompute's tensor there (``binding.as_recomputed``)
-        self.originals: Optional[dict] = None
-        if slots or attributes:
-            self.originals = {key: (weakref.ref(inputs[key]), i) for key, i in index.items()}
-        #: (module, name, value): the modules' plain numbers, flags and strings at the call (a
-        #: timestep set before each call of a shared module, a counter the forward increments);
-        #: each run binds those that changed since, so the recompute reads what the forward read
-        self.scalars = held.scalars
-        #: (module, name, value with holes, always bound?): plain attributes that may hold a lifted
-        #: tensor; a forward-hook dict is copied now and always bound (a hook removed after the
-        #: forward still runs in the recompute, as it ran in the forward)
-        self.attributes = []
-        #: whether a recompute rebuilds anything (the function, its arguments, a module attribute
-        #: holding a lifted tensor, a hook dict bound always): else it calls ``function`` as it is
-        self.templated = function_holes or self.flat_args is None
-        for module, name, value in () if held.plain_attributes else attributes:
-            hooks = name in _rebind._FORWARD_HOOKS
-            kept, holes = template(collections.OrderedDict(value) if hooks else value)
-            # an RNN's _flat_weight_refs is bound always too: its forward re-points them at the tensors
-            # a recompute binds, and left in the module they would hide its next swap from it
-            always = hooks or name == "_flat_weight_refs"
-            self.attributes.append((module, name, kept, always))
-            self.templated = self.templated or holes or always
-        #: the global module hooks (register_module_forward_hook) at the call, if any: each recompute
-        #: runs under them, as the forward did, also after the user removed one
-        self.global_hooks = _global_hooks()
-        #: (module, name) of those plain attributes: the containers among them are watched in the forward
-        self.attribute_names = [(module, name) for module, name, _ in attributes]
-        self.grad_mode = torch.is_grad_enabled()
-        #: the transform on top at the call (its key), and for a jvp on top the inputs it wrapped:
-        #: what the block computes reads requires_grad by that level (levels.as_the_call_saw)
-        top = _state.peek_interpreter_stack()
-        self.top_at_call: Optional[int] = None if top is None else top.key().value
-        self.wrapped_at_top: List[int] = []
-        if self.top_at_call == JVP_KEY:
-            level = top.level()
-            self.wrapped_at_top = [
-                i for i, t in enumerate(self.inputs) if _state.is_functorch_wrapped_tensor(t)
-                and not _is_batched(t) and _level_of(t) == level
-            ]
-        #: inputs that required grad at the call: the forward makes them require grad too
-        self.needs: List[bool] = []
-        #: inputs a gradient or a tangent can reach: those a grad or jvp level wraps, or that
-        #: require grad (a buffer's tangent is a zero the transform made up: not passed on)
-        self.reachable: List[bool] = []
-        #: ... of which these a tangent can reach (a grad or jvp level wraps them: eager
-        #: requires_grad carries no tangent)
-        self.tangent_reachable: List[bool] = []
-        for t in self.inputs:  # one pass: this runs per call, and each read goes through the wrappers
-            differentiable = _differentiable_dtype(t)
-            reachable, tangent = _reach(t) if differentiable else (False, False)
-            self.needs.append(differentiable and t.requires_grad)
-            self.reachable.append(reachable)
-            self.tangent_reachable.append(tangent)
-        self.context_fn = context_fn
+        #: what the call is (``records``): made whole here, never written after
+        self.at_call = CallRecord(function, args, kwargs, held, context_fn)
+        #: what the first forward found: written by this class's forward and packing, then only read
+        self.found = ForwardRecord(self.at_call.slots)
+        #: the world each recompute replays: captured by this class as the forward runs
+        self.world = ReplayWorld()
         #: the Function's operands: these inputs, then the plain run's output tensors (precomputed)
-        self.n_inputs = len(self.inputs)
-        #: why the plain run cannot be packed into a recompute (the run-time proof's finding), or None
-        self.refusal: Optional[str] = None
-        #: positions of the plain run's outputs that share memory with an input (the input itself, a
-        #: view of it): the caller gets those tensors as the plain run made them (see call._run)
-        self.aliases: List[int] = []
-        #: the inputs those outputs alias: handed to the Function as copies (the caller may write
-        #: into them through the alias, as without checkpointing; the recompute reads the copy)
-        self.aliased_inputs: List[int] = []
-        #: a ``later_writes.Watched`` (its index, the caller's tensor, its version) of each input handed
-        #: to the Function as a copy on write: the caller may write into it after the call
-        self.callers_inputs: List[Any] = []
-        #: a ``later_writes.Watched`` of the tangent of each of those inputs, where a forward-mode level
-        #: gave it one (a write into the input moves it too: the tangent graph may have saved it)
-        self.callers_tangents: List[Any] = []
-        #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until used
+        self.n_inputs = self.at_call.n_inputs
+        #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until
+        #: the Function's jvp rule takes them (``function._take_tangents``)
         self.tangents: Optional[tuple] = None
-        #: after :func:`run`: why the plain run was the result and nothing was packed, or None (packed)
+        #: after ``call.run``: why the plain run was the result and nothing was packed, or None (packed)
         self.unpacked: Optional[str] = None
-        self.versions: List[Optional[int]] = []
-        self.vmaps_at_forward: frozenset = frozenset()
-        #: the versions, once the forward has run, of the inputs it read (None for the others):
-        #: every recompute checks them
-        self.versions_after: List[Optional[int]] = []
-        #: whether an input requires grad under all its wrappers (eager autograd may differentiate
-        #: a backward then: ``function._differentiated_again``); None until the forward has run
-        self.eager_requires_grad: Optional[bool] = None
-        #: the indices of the inputs the first forward read (None: not known, all are checked)
-        self.read: Optional[set] = None
-        #: input index -> its value before the forward updated it in place (see for_recompute)
-        self.pre_forward: dict = {}
-        #: inputs needing a gradient the forward rewrote with what a rewrite leaves as is (an
-        #: Embedding's max_norm): each recompute starts from a copy of the saved one
-        self.rewritten: frozenset = frozenset()
-        #: (weakref, version, storage) of each tensor the forward read as a constant (a closure's
-        #: mask): every recompute checks that it is still what the forward read
-        self.constants: list = []
-        #: the inputs the block updates in place: every recompute hands it copies of these
-        self.written: frozenset = frozenset()
-        self.output_template: Any = None
-        self.output_ids: List[int] = []
-        self.output_kept: List[bool] = []
-        self.recompute_context: Any = _NO_CONTEXT
-        self.rng: Any = None
-        #: (generator, state) of each user torch.Generator the forward drew from, before its first draw
-        self.generators: List[tuple] = []
-        #: the user's containers the forward changed, as it found them (``_state.contents_snapshot``
-        #: entries): every recompute runs with these contents, and puts back what they hold then
-        self.contents: List[tuple] = []
-        #: the rest of the user's containers the block is given, as the call found them: one the
-        #: program changes after the call (``cfg.scale = 2.0`` before the pullback) is replayed too
-        self.contents_at_call: List[tuple] = []
-        #: (slot, value) of each global the block's code loads, as the call found it: a recompute
-        #: runs with those a script re-bound since (``W = W - lr * g``), as the forward did
-        self.globals_read: List[tuple] = []
-        self.autocast: Any = None
-        self.default_dtype = torch.get_default_dtype()
-        #: a torch.device(...) context's device at the call: the Function's forward
-        #: runs without function modes, so it is re-entered there and in the recompute
-        self.default_device: Any = _state.forward_device_context()
-        #: called before every recompute; raises for a drift the recompute cannot undo (an
-        #: optimizer step), or returns fallback's replays (a train/eval switch: see ``_drift``)
-        self.check_recompute: Callable[[], Any] = lambda: None
-        #: under a save policy (a selective checkpointing ``context_fn``): what it kept of the
-        #: first forward, handed back to each recompute (``saving``); None: everything is recomputed
-        self.saved: Optional[_saving.Saved] = None
+
+    # -- what others tell the plan (its records' one writer is this class)
+
+    def refuse(self, why: Any) -> None:
+        """At plan time (``call.plan``): a reason no recompute could be right; the first forward is then
+        only the plain run, the result (no reverse mode can follow it)."""
+        self.found.refusal = why
+
+    def before_each_recompute(self, check: Callable[[], Any]) -> None:
+        """``check`` runs before every recompute (the drift watch, ``_decide``): it raises for a drift the
+        recompute cannot undo, or returns fallback's replays."""
+        self.world.check_recompute = check
+
+    def hand_in_copy(self, i: int) -> None:
+        """Input ``i`` is handed to the Function as a copy no one else writes: its version is not checked."""
+        self.found.versions_after[i] = None
+
+    def watch_callers(self, inputs: List[Any], tangents: List[Any]) -> None:
+        """The inputs (and their tangents) the caller may write into after the call (``later_writes``)."""
+        self.found.callers_inputs, self.found.callers_tangents = inputs, tangents
+
+    @property
+    def eager_requires_grad(self) -> Optional[bool]:
+        """Whether an input required grad under all its wrappers at the forward (``function.Node``)."""
+        return self.found.eager_requires_grad
 
     # -- running the block on a given set of input tensors
 
     def release(self) -> None:
-        """Forget the call's own objects once the forward has run (the recompute uses the holes)."""
-        self.original_function = self.args = self.kwargs = None
-        self.inputs = ()
+        """Forget the call's own objects and the forward's outputs once the forward has run (the recompute
+        uses the holes; the backward needs no output)."""
+        self.at_call.release()
+        self.found.output_template = None
 
     def call(self, tensors: Sequence[Tensor]) -> Any:
         """The block on ``tensors`` (a recompute's): its template filled in, its modules bound to them.
@@ -239,32 +103,32 @@ class Plan:
         it is for the next recompute, and the update is one the recompute's own
         level records (a leaf of the vjp's level cannot be written in place).
         """
-        if self.written:
-            tensors = [t.clone() if i in self.written else t for i, t in enumerate(tensors)]
-        rebuild = _rebind._Rebuild({}, fill=tensors) if self.templated else None
-        bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.slots]
-        for module, name, value in self.scalars:
+        if self.found.written:
+            tensors = [t.clone() if i in self.found.written else t for i, t in enumerate(tensors)]
+        rebuild = _rebind._Rebuild({}, fill=tensors) if self.at_call.templated else None
+        bindings = [(module, store, name, tensors[i]) for module, store, name, i in self.found.slots]
+        for module, name, value in self.at_call.scalars:
             now = module.__dict__.get(name, _rebind._ABSENT)
             if now is not value and not (type(now) is type(value) and now == value):
                 bindings.append((module, "__dict__", name, value))
         if rebuild is not None:
-            for module, name, value, always in self.attributes:
+            for module, name, value, always in self.at_call.attributes:
                 new, changed = rebuild(value)
                 if changed or always:
                     bindings.append((module, "__dict__", name, new))
-        hooks = _global_hooks_as(self.global_hooks) if self.global_hooks is not None or _global_hooks() else None
-        recomputed_as = None if self.originals is None else (self.originals, tensors)
+        hooks = _global_hooks_as(self.world.global_hooks) if self.world.global_hooks is not None or _global_hooks() else None
+        recomputed_as = None if self.at_call.originals is None else (self.at_call.originals, tensors)
         with _rebind.bound(bindings, recomputed_as), hooks or _NO_CONTEXT, _compiled_code_eager():
-            function = self.function if rebuild is None else rebuild(self.function)[0]
-            if self.flat_args is not None:
-                return function(*[tensors[i] for i in self.flat_args])
-            args, kwargs = rebuild(self.call_args)[0]  # type: ignore[misc]
+            function = self.at_call.function if rebuild is None else rebuild(self.at_call.function)[0]
+            if self.at_call.flat_args is not None:
+                return function(*[tensors[i] for i in self.at_call.flat_args])
+            args, kwargs = rebuild(self.at_call.call_args)[0]  # type: ignore[misc]
             return function(*args, **kwargs)
 
     def _given_containers(self) -> list:
         """The user's containers the block is given (arguments, closure, partial, module attributes)."""
-        roots = _state.argument_roots(self.original_function, self.args, self.kwargs) or []
-        for module, name in self.attribute_names:
+        roots = _state.argument_roots(self.at_call.original_function, self.at_call.args, self.at_call.kwargs) or []
+        for module, name in self.at_call.attribute_names:
             value = module.__dict__.get(name)
             if name not in _rebind._FORWARD_HOOKS and _state.holds_container(value):
                 roots.append((f"{type(module).__name__}.{name}", value))
@@ -276,10 +140,10 @@ class Plan:
         Under a save policy, what it saved in the first forward is handed back to the
         operations that made it, where that can line up (``saving``'s module docstring).
         """
-        saved = self.saved
+        saved = self.world.saved
         context = _NO_CONTEXT
         if saved is not None:
-            why = _saving.why_not_handed_back(saved, self.vmaps_at_forward)
+            why = _saving.why_not_handed_back(saved, self.found.vmaps_at_forward)
             if why is None:
                 context = saved.handing_back()
             elif saved.report is not None:
@@ -297,27 +161,27 @@ class Plan:
 
         Returns what the block returns.  This run *is* the uncheckpointed code:
         right whatever the proof finds, run once.  What the proof found is in
-        :attr:`refusal` (None: the call can be packed).  The user's exceptions
+        ``found.refusal`` (None: the call can be packed).  The user's exceptions
         pass through untouched.
         """
-        inputs = self.inputs
+        inputs = self.at_call.inputs
         self.capture_forward_state(inputs)
         forward_context = contextlib.nullcontext()
         policy = None
-        if self.context_fn is not None:
-            forward_context, self.recompute_context = self.context_fn()
+        if self.at_call.context_fn is not None:
+            forward_context, self.world.recompute_context = self.at_call.context_fn()
             if isinstance(forward_context, SELECTIVE_CACHING_MODE):
                 # Selective checkpointing: torch's two modes line up only with torch's own
                 # recompute; the policy is applied here by ``saving``'s own (its module docstring)
                 policy = forward_context.policy_fn
-                forward_context, self.recompute_context = contextlib.nullcontext(), _NO_CONTEXT
-        if self.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
+                forward_context, self.world.recompute_context = contextlib.nullcontext(), _NO_CONTEXT
+        if self.found.refusal is not None:  # no recompute will follow (see :func:`plan`): only the plain run
             with forward_context, _plain_nested_checkpoints():
-                return self.original_function(*self.args, **self.kwargs)
+                return self.at_call.original_function(*self.at_call.args, **self.at_call.kwargs)
         bases = [_base(t) for t in inputs]  # a wrapper's own version counter never moves: its base's does
-        self.versions = [_version(b) for b in bases]
-        self.eager_requires_grad = any(b.requires_grad for b in bases)
-        self.vmaps_at_forward = _vmap_levels()
+        self.found.versions = [_version(b) for b in bases]
+        self.found.eager_requires_grad = any(b.requires_grad for b in bases)
+        self.found.vmaps_at_forward = _vmap_levels()
         if policy is None and _residuals.is_open():  # saved_residuals lists this block's recomputes too
             policy = _saving.nothing_saved
         if policy is not None:
@@ -325,60 +189,60 @@ class Plan:
             # its arguments' fingerprint, and only matching calls are handed back (``saving``)
             # so does a forward under vmap that eager autograd may differentiate outside it (MAML's
             # outer .backward()): that recompute is batched by the Function's own vmap rule
-            fingerprinted = _forward_mode_alive() or bool(self.vmaps_at_forward and self.eager_requires_grad)
-            self.saved = _saving.Saved(policy, fingerprinted=fingerprinted)
-            self.saved.report = _residuals.block_entry(_label(self.original_function), _saving.describe(policy))
-            forward_context = self.saved.recording()
+            fingerprinted = _forward_mode_alive() or bool(self.found.vmaps_at_forward and self.found.eager_requires_grad)
+            self.world.saved = _saving.Saved(policy, fingerprinted=fingerprinted)
+            self.world.saved.report = _residuals.block_entry(_label(self.at_call.original_function), _saving.describe(policy))
+            forward_context = self.world.saved.recording()
         given = _state.contents_snapshot(self._given_containers())
         level = _current_level() if _state.peek_interpreter_stack() is not None else -1
         check = _proof.ReadCheck(inputs, level) if counters.PROOF else None
         with forward_context, _plain_nested_checkpoints(), _compiled_code_eager():
             if check is None:
-                output = self.original_function(*self.args, **self.kwargs)
+                output = self.at_call.original_function(*self.at_call.args, **self.at_call.kwargs)
             else:
                 check.given(inputs)
                 with check:
-                    output = self.original_function(*self.args, **self.kwargs)
+                    output = self.at_call.original_function(*self.at_call.args, **self.at_call.kwargs)
         found = _output_tensors(output)
         after = [_version(b) for b in bases]
         if check is not None:
             check.check_outputs(found)
-            self.generators = list(check.generators.values())
+            self.world.generators = list(check.generators.values())
             if check.refused is not None:
-                self.refusal = _describe_unlifted(self, check.refused)
+                self.found.refusal = _describe_unlifted(self, check.refused)
                 return output
-            self.refusal = self._unseen_update(check, after)
-            if self.refusal is not None:
+            self.found.refusal = self._unseen_update(check, after)
+            if self.found.refusal is not None:
                 return output
-            self.constants = list(check.constants.values())
-            self.pre_forward = {
+            self.found.constants = list(check.constants.values())
+            self.found.pre_forward = {
                 i: kept for i, kept in check.before.items() if self._updated(i, kept, inputs[i], after[i])
             }
-            self.rewritten = frozenset(check.rewritten)
-            self.written = frozenset(self.pre_forward) | self.rewritten
-            if self.pre_forward:
-                self.refusal = self._overlapping_write()
-                if self.refusal is not None:
+            self.found.rewritten = frozenset(check.rewritten)
+            self.found.written = frozenset(self.found.pre_forward) | self.found.rewritten
+            if self.found.pre_forward:
+                self.found.refusal = self._overlapping_write()
+                if self.found.refusal is not None:
                     return output
-            self.read = None if check.unseen_reads else check.read
+            self.found.read = None if check.unseen_reads else check.read
         if given:
-            self.contents, self.refusal = _contents_to_replay(given)
-            if self.refusal is not None:
+            self.world.contents, self.found.refusal = _contents_to_replay(given)
+            if self.found.refusal is not None:
                 return output
-            replayed = {id(entry[1]) for entry in self.contents}
-            self.contents_at_call = [
+            replayed = {id(entry[1]) for entry in self.world.contents}
+            self.world.contents_at_call = [
                 entry for entry in given
                 if entry[2] != "tensor" and id(entry[1]) not in replayed and _state.replayable([entry])
             ]
-        read = self.read  # a module's other parameters are lifted too: another's optimizer step is no change
+        read = self.found.read  # a module's other parameters are lifted too: another's optimizer step is no change
         if read is not None and len(read) < len(inputs):
             self._bind_what_the_forward_put(read)
-        self.versions_after = after if read is None else [v if i in read else None for i, v in enumerate(after)]
+        self.found.versions_after = after if read is None else [v if i in read else None for i, v in enumerate(after)]
         #: (index, requires_grad) of each input the block read, as it read it: each recompute shows it so
-        self.requires_grad_read = [(i, need) for i, need in enumerate(self.needs) if read is None or i in read]
-        self.output_template = output
-        self.output_ids = [id(t) for t in found]
-        self.output_kept = [_differentiable_dtype(t) for t in found]
+        self.found.requires_grad_read = [(i, need) for i, need in enumerate(self.at_call.needs) if read is None or i in read]
+        self.found.output_template = output
+        self.found.output_ids = [id(t) for t in found]
+        self.found.output_kept = [_differentiable_dtype(t) for t in found]
         return output
 
     def keep_tangents(self, output: Any) -> None:
@@ -386,12 +250,12 @@ class Plan:
         a jvp on top, or right under the grad levels on top), for the Function's jvp rule of that
         level to hand on (``function._take_tangents``)."""
         self.tangents = _levels.tangents_computed(
-            [o for o, kept in zip(_output_tensors(output), self.output_kept) if kept]
+            [o for o, kept in zip(_output_tensors(output), self.found.output_kept) if kept]
         )
 
     def ran_under(self, level: int, batch_size: int, randomness: str) -> bool:
         """Whether the plain run ran under this vmap (its random draws were batched by it)."""
-        return (level, batch_size, randomness) in self.vmaps_at_forward
+        return (level, batch_size, randomness) in self.found.vmaps_at_forward
 
     def precomputed(self, output: Any) -> List[Tensor]:
         """The plain run's output tensors, cut from its graph, to hand to the recompute's Function.
@@ -403,20 +267,20 @@ class Plan:
         level, so nothing holds the plain run's activations once it returns.
         An output sharing memory with an input is copied (the Function's output
         must not alias what it saves for backward), and its position kept in
-        :attr:`aliases`: the caller gets the plain run's own tensor there, and
-        the inputs it aliases are in :attr:`aliased_inputs`.
+        ``found.aliases``: the caller gets the plain run's own tensor there, and
+        the inputs it aliases are in ``found.aliased_inputs``.
         """
         found = _output_tensors(output)
         addresses = [_proof._storage_address(t) for t in found]
         if all(a is None for a in addresses):
             return [t.detach() for t in found]
-        inputs = [_proof._storage_address(i) for i in self.inputs]
+        inputs = [_proof._storage_address(i) for i in self.at_call.inputs]
         storages = set(inputs)
-        self.aliases = [i for i, address in enumerate(addresses) if address is not None and address in storages]
-        if not self.aliases:
+        self.found.aliases = [i for i, address in enumerate(addresses) if address is not None and address in storages]
+        if not self.found.aliases:
             return [t.detach() for t in found]
-        aliased = {addresses[i] for i in self.aliases}
-        self.aliased_inputs = [j for j, address in enumerate(inputs) if address in aliased]
+        aliased = {addresses[i] for i in self.found.aliases}
+        self.found.aliased_inputs = [j for j, address in enumerate(inputs) if address in aliased]
         return [
             (t.clone() if address is not None and address in storages else t).detach()
             for t, address in zip(found, addresses)
@@ -436,7 +300,7 @@ class Plan:
             return None
         spans = {}
         for i, t in enumerate(found):
-            if i in self.aliases or not _proof.has_graph(t):  # a constant (made under no_grad): no gradient to miss
+            if i in self.found.aliases or not _proof.has_graph(t):  # a constant (made under no_grad): no gradient to miss
                 continue
             span = _proof.memory_span(t)
             if span is None:
@@ -470,14 +334,14 @@ class Plan:
         version moved raises :class:`ChangedSinceForward`; one the user's saved-tensor hooks gave back
         as a copy (``copied``: ``save_on_cpu(pin_memory=True)``) is what the call saw, whatever its version.
         """
-        for i, (t, was) in enumerate(zip(tensors, self.versions_after)):
-            if was is not None and i not in self.pre_forward and i not in copied and _version(_base(t)) != was:
-                self.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
+        for i, (t, was) in enumerate(zip(tensors, self.found.versions_after)):
+            if was is not None and i not in self.found.pre_forward and i not in copied and _version(_base(t)) != was:
+                self.world.check_recompute()  # a drift rule that explains it (an optimizer step: CKG108) speaks first
                 raise self._changed_since_forward(i, t, was)
-        for ref, was, _ in self.constants:
+        for ref, was, _ in self.found.constants:
             constant = ref()
             if constant is not None and _version(_base(constant)) != was:
-                self.check_recompute()
+                self.world.check_recompute()
                 raise ChangedSinceForward(
                     f"ckpt_guard's composable recompute: a tensor the checkpointed block reads as a constant "
                     f"(a {tuple(_base(constant).shape)} tensor that needs no gradient, a mask or a table it "
@@ -499,24 +363,24 @@ class Plan:
         so a slot that is read before the block writes it keeps the plan's.
         """
         index = None
-        for k, (module, store, name, i) in enumerate(self.slots):
+        for k, (module, store, name, i) in enumerate(self.found.slots):
             if i in read:
                 continue
             held = (module.__dict__ if store == "__dict__" else module.__dict__[store]).get(name)
             if not isinstance(held, Tensor):
                 continue
             if index is None:
-                index = {id(t): j for j, t in enumerate(self.inputs)}
+                index = {id(t): j for j, t in enumerate(self.at_call.inputs)}
             j = index.get(id(held))
             if j is not None and j != i:
-                self.slots[k] = (module, store, name, j)
+                self.found.slots[k] = (module, store, name, j)
 
     def _unseen_update(self, check: _proof.ReadCheck, after: List[Optional[int]]) -> Optional[str]:
         """Why the call cannot be packed, if the forward moved an input's version with no copy kept."""
-        for i, (t, was, now) in enumerate(zip(self.inputs, self.versions, after)):
+        for i, (t, was, now) in enumerate(zip(self.at_call.inputs, self.found.versions, after)):
             if was is None or now == was or i in check.before or i in check.rewritten:
                 continue
-            path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
+            path = _rebind.describe_path(self.at_call.original_function, self.at_call.args, self.at_call.kwargs, t)
             return Reason(
                 "unseen-update",
                 f"the block updated {path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place "
@@ -529,13 +393,13 @@ class Plan:
         """Why the call cannot be packed, if the forward wrote in place into an input that shares memory
         with another input a gradient may reach (overlapping views: each recompute starts from a copy
         of its own, so the write would not reach the other, nor its gradient go through the write)."""
-        addresses = [_proof._storage_address(t) for t in self.inputs]
-        for i in self.pre_forward:
+        addresses = [_proof._storage_address(t) for t in self.at_call.inputs]
+        for i in self.found.pre_forward:
             j = next((j for j, a in enumerate(addresses) if j != i and a is not None and a == addresses[i]), None)
-            if j is None or not (self.reachable[i] or self.reachable[j]):
+            if j is None or not (self.at_call.reachable[i] or self.at_call.reachable[j]):
                 continue
-            t = self.inputs[j]
-            path = _rebind.describe_path(self.original_function, self.args, self.kwargs, t)
+            t = self.at_call.inputs[j]
+            path = _rebind.describe_path(self.at_call.original_function, self.at_call.args, self.at_call.kwargs, t)
             return Reason(
                 "overlapping-write",
                 f"the block updates in place an input that shares memory with another input it is given "
@@ -546,7 +410,7 @@ class Plan:
         return None
 
     def _changed_since_forward(self, i: int, t: Tensor, was: int) -> ChangedSinceForward:
-        held = [self._slot_name(module, name) for module, _, name, index in self.slots if index == i]
+        held = [self._slot_name(module, name) for module, _, name, index in self.found.slots if index == i]
         what = f"{held[0]}, which the checkpointed block reads" if held else "a tensor the checkpointed block reads"
         return ChangedSinceForward(
             f"ckpt_guard's composable recompute: {what} "
@@ -560,7 +424,7 @@ class Plan:
     def _slot_name(self, module: Any, name: str) -> str:
         """``Net.stage2.lin.weight``: the attribute's path from the outermost module the block reaches."""
         best = ""
-        for outer in {id(m): m for m, *_ in self.slots}.values():
+        for outer in {id(m): m for m, *_ in self.found.slots}.values():
             for path, sub in outer.named_modules():
                 if sub is module and path and len(path) > len(best.split(".", 1)[-1]):
                     best = f"{type(outer).__name__}.{path}"
@@ -568,14 +432,14 @@ class Plan:
 
     def _updated(self, i: int, kept: Tensor, now: Tensor, version: Optional[int]) -> bool:
         # a kernel may write without bumping the version (BatchNorm's running statistics)
-        return self.versions[i] != version or not torch.equal(_base(kept), _base(now))
+        return self.found.versions[i] != version or not torch.equal(_base(kept), _base(now))
 
     def rebuild(self, outputs: Sequence[Tensor]) -> Any:
         """The block's output with the Function's outputs in place of the forward's tensors."""
-        template = self.output_template
+        template = self.found.output_template
         if isinstance(template, Tensor):  # the usual block: one tensor out
             return outputs[0]
-        return _rebind.rebuild(template, dict(zip(self.output_ids, outputs)))
+        return _rebind.rebuild(template, dict(zip(self.found.output_ids, outputs)))
 
     @property
     def root(self) -> "Plan":
@@ -589,29 +453,29 @@ class Plan:
         return ()  # ... no tangent among them
 
     def differentiable_outputs(self) -> List[bool]:
-        return self.output_kept
+        return self.found.output_kept
 
     def differentiable_inputs(self, forward: bool = False) -> List[bool]:
-        return self.tangent_reachable if forward else self.reachable
+        return self.at_call.tangent_reachable if forward else self.at_call.reachable
 
     # -- what the forward saw, and its replay
 
     def capture_forward_state(self, tensors: Sequence[Tensor]) -> None:
-        self.default_dtype = torch.get_default_dtype()
-        self.globals_read = _state.globals_read(self.original_function)
+        self.world.default_dtype = torch.get_default_dtype()
+        self.world.globals_read = _state.globals_read(self.at_call.original_function)
         if all(t.is_cpu for t in tensors):  # torch's answer then, without its pytree walk
             device_type = _tuc.DefaultDeviceType.get_device_type()
         else:
             device_type = _tuc._infer_device_type(*tensors)
         if _any_autocast():
-            self.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
+            self.world.autocast = (device_type, *_tuc._get_autocast_kwargs(device_type))
         else:  # the usual case: none on, and nothing to put back unless a recompute finds one on
-            self.autocast = (device_type, None, None)
+            self.world.autocast = (device_type, None, None)
         device_module = getattr(torch, device_type, None)
         devices, states = ([], [])
         if device_type != "cpu" and getattr(device_module, "_initialized", False):
             devices, states = _tuc.get_device_states(*tensors)
-        self.rng = (torch.get_rng_state(), devices, states, device_type)
+        self.world.rng = (torch.get_rng_state(), devices, states, device_type)
 
     def replay(self) -> "_Replay":
         """The forward's RNG, default dtype and device, autocast and the recompute context, around a recompute.
@@ -624,23 +488,23 @@ class Plan:
 
     def _replays(self) -> list:
         """The contexts one recompute enters, in order (see :meth:`replay`)."""
-        contexts = list(self.check_recompute() or ())  # fallback: a module's train/eval mode as in the forward
-        if torch.get_default_dtype() != self.default_dtype:
-            contexts.append(in_default_dtype(self.default_dtype))
-        if self.default_device is not None:  # a fresh context, as torch >= 2.11 does
-            contexts.append(torch.device(self.default_device))
-        contexts.append(_forward_rng(*self.rng))
-        if self.generators:
+        contexts = list(self.world.check_recompute() or ())  # fallback: a module's train/eval mode as in the forward
+        if torch.get_default_dtype() != self.world.default_dtype:
+            contexts.append(in_default_dtype(self.world.default_dtype))
+        if self.world.default_device is not None:  # a fresh context, as torch >= 2.11 does
+            contexts.append(torch.device(self.world.default_device))
+        contexts.append(_forward_rng(*self.world.rng))
+        if self.world.generators:
             # the recompute draws are not the program's: each is left where the program had it
-            contexts.append(_state.replaying_generators(self.generators, lock=False))
-        contents = self.contents
-        if self.contents_at_call:  # changed since the call by the program (the forward's own: self.contents)
-            contents = contents + _state.changed_at_all(self.contents_at_call)
+            contexts.append(_state.replaying_generators(self.world.generators, lock=False))
+        contents = self.world.contents
+        if self.world.contents_at_call:  # changed since the call by the program (the forward's own: self.world.contents)
+            contents = contents + _state.changed_at_all(self.world.contents_at_call)
         if contents:
             contexts.append(_state.replaying_contents(contents, lock=False))
-        if self.globals_read and any(slot.cell_contents is not was for slot, was in self.globals_read):
-            contexts.append(_state.replaying_globals(self.globals_read))
-        device_type, device_autocast, cpu_autocast = self.autocast
+        if self.world.globals_read and any(slot.cell_contents is not was for slot, was in self.world.globals_read):
+            contexts.append(_state.replaying_globals(self.world.globals_read))
+        device_type, device_autocast, cpu_autocast = self.world.autocast
         if cpu_autocast is not None or _any_autocast():
             if cpu_autocast is None:  # none was on in the forward: whichever is on now is switched off
                 device_autocast, cpu_autocast = (
@@ -652,8 +516,8 @@ class Plan:
                 contexts.append(torch.amp.autocast(device_type=device_type, **device_autocast))
             if cpu_autocast != cpu_now:
                 contexts.append(torch.amp.autocast("cpu", **cpu_autocast))
-        if self.recompute_context is not _NO_CONTEXT:
-            contexts.append(self.recompute_context)
+        if self.world.recompute_context is not _NO_CONTEXT:
+            contexts.append(self.world.recompute_context)
         contexts.append(_plain_nested_checkpoints())
         return contexts
 
@@ -688,7 +552,7 @@ class _Replay:
 
 def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> Reason:
     tensor = read.tensor
-    path = _rebind.describe_path(built.original_function, built.args, built.kwargs, tensor)
+    path = _rebind.describe_path(built.at_call.original_function, built.at_call.args, built.at_call.kwargs, tensor)
     if _state.is_functorch_wrapped_tensor(tensor):
         what = "a tensor a torch.func transform is differentiating or batching"
     else:
