@@ -2,7 +2,8 @@
 
 The property: hide a tensor that a transform differentiates every way a block can reach
 it (its closure, a dict it closes over, an object's attribute, a class attribute, a
-module namespace global), read it every way (plainly, inside
+module namespace global, a helper kept as a global: a function closing over it, a partial, a
+bound method), read it every way (plainly, inside
 ``torch._C.DisableTorchFunction()``, added in place into a tensor the block made), and
 differentiate under every reverse transform through both doors (``ckpt_guard.checkpoint``
 and torch's checkpoint under fallback).  Each program runs without checkpointing (the
@@ -18,6 +19,7 @@ close over the tensors (right), and an input written after the call on torch's p
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 
@@ -37,8 +39,37 @@ HIDDEN = types.SimpleNamespace(w=None)  # a module namespace global, by attribut
 class Holder:
     w = None  # a class attribute
 
+    def __init__(self, w=None):
+        self.own = w
 
-PLACES = ("closure", "dict in a closure", "object attribute", "class attribute", "module global")
+    def get(self):
+        return self.own
+
+
+#: helpers kept as module globals, each holding the tensor where a copy of the block cannot reach
+GLOBAL_HELPER = GLOBAL_PARTIAL = GLOBAL_METHOD = None
+
+def _global_helper():
+    return GLOBAL_HELPER()
+
+
+def _global_partial():
+    return GLOBAL_PARTIAL()
+
+
+def _global_method():
+    return GLOBAL_METHOD()
+
+
+_THROUGH_A_GLOBAL_HELPER = {
+    "a global helper's closure": _global_helper, "a global partial": _global_partial,
+    "a global bound method": _global_method,
+}
+
+PLACES = (
+    "closure", "dict in a closure", "object attribute", "class attribute", "module global",
+    "a global helper's closure", "a global partial", "a global bound method",
+)
 READS = ("plainly", "with torch functions off", "added in place, torch functions off")
 TRANSFORMS = {
     "grad": lambda f: grad(f)(W),
@@ -53,18 +84,25 @@ def _program(place: str, read: str, ckpt):
     """``loss(w)``: a checkpointed block that reads ``w`` from ``place``, ``read`` the given way."""
 
     def loss(w):
+        global GLOBAL_HELPER, GLOBAL_PARTIAL, GLOBAL_METHOD
         if w.dim() == 1:  # hessian's point: a row of W
             w = torch.cat([w[None], W[1:]])
         box = {"w": w}
         obj = types.SimpleNamespace(w=w)
         Holder.w = w
         HIDDEN.w = w
+        GLOBAL_HELPER = (lambda v: lambda: v)(w)  # found through the helper's closure (issue 49's survey)
+        GLOBAL_PARTIAL = functools.partial(lambda v: v, w)
+        GLOBAL_METHOD = Holder(w).get
 
-        def get():
-            return {
-                "closure": lambda: w, "dict in a closure": lambda: box["w"], "object attribute": lambda: obj.w,
-                "class attribute": lambda: Holder.w, "module global": lambda: HIDDEN.w,
-            }[place]()
+        if place in _THROUGH_A_GLOBAL_HELPER:  # the block reaches nothing else that holds w
+            get = _THROUGH_A_GLOBAL_HELPER[place]
+        else:
+            def get():
+                return {
+                    "closure": lambda: w, "dict in a closure": lambda: box["w"], "object attribute": lambda: obj.w,
+                    "class attribute": lambda: Holder.w, "module global": lambda: HIDDEN.w,
+                }[place]()
 
         def block(t):
             h = torch.tanh(t @ W)

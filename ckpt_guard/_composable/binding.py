@@ -469,6 +469,8 @@ class _Rebuild:
         self.memo: Dict[int, Tuple[Any, bool]] = {}
         self.budget = _reads.BUDGET
         self.exhausted = False
+        #: ids of the global helpers walked as unbindable (see :meth:`_walk_unbound`), shared by its walks
+        self.walked_unbound: set = set()
 
     def __call__(self, obj: Any) -> Tuple[Any, bool]:
         """``(obj rebuilt, whether a swapped tensor is inside)``."""
@@ -639,8 +641,10 @@ class _Rebuild:
 
     def _visit_unbindable(self, value: Any) -> None:
         """A global: its modules are still bound (through the module itself), its tensors are not."""
-        if isinstance(value, Module) or _user_function(value) or isinstance(value, (functools.partial, types.MethodType)):
+        if isinstance(value, Module):
             self(value)
+        elif self.visit is not None and (_user_function(value) or isinstance(value, (functools.partial, types.MethodType))):
+            self._walk_unbound(value)  # a helper kept as a global (HELPER = make(w), a partial, a bound method)
         elif isinstance(value, Tensor) and self.visit is not None:
             self.visit(value, False)
         elif isinstance(value, (list, tuple, dict)) and len(value) <= self.budget:
@@ -657,6 +661,20 @@ class _Rebuild:
                     self(item)
                 elif isinstance(item, Tensor):
                     self.visit(item, False)
+
+    def _walk_unbound(self, value: Any) -> None:
+        """Walk ``value`` with every tensor it reaches visited as unbindable, its modules still bound: nothing
+        rebuilds a global, so a recompute reads what it holds unbound, even where the same tensor is bound
+        another way (a walk of its own: this one's memo skips what it has seen), out of this walk's budget."""
+        if id(value) in self.walked_unbound:  # a global helper reaching itself, or one seen already
+            return
+        self.walked_unbound.add(id(value))
+        visit = self.visit
+        assert visit is not None
+        unbound = _Rebuild({}, lambda obj, bindable: visit(obj, bindable and isinstance(obj, Module)))
+        unbound.budget, unbound.walked_unbound = self.budget, self.walked_unbound
+        unbound(value)
+        self.budget, self.exhausted = unbound.budget, self.exhausted or unbound.exhausted
 
     @staticmethod
     def _with_attributes(obj: Any, changes: dict) -> Tuple[Any, bool]:
