@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 import warnings
@@ -338,6 +339,77 @@ def test_optimizer_step_on_a_partly_used_parent_fires_only_when_all_of_it_moved(
         run(parent.parameters())  # every parameter moved, whichever part the closure uses
     assert info.value.rule.id == "CKG108"
     run(parent["head"].parameters())  # only the head moved: unsure, so quiet
+
+
+class _Config:
+    """An object of the user's holding modules in a dict (a config, a registry)."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+
+def _reach(path: str, layer: torch.nn.Module):
+    """A block reaching ``layer`` by ``path`` (what the walk must see for CKG108)."""
+    if path == "the module itself":
+        return torch.nn.Sequential(layer, torch.nn.Tanh())  # (a Linear alone: its weight's gradient reads no weight)
+    if path == "a partial of an object of the user's":
+        return functools.partial(lambda config, t: torch.tanh(config.layers["k"](t)), _Config({"k": layer}))
+    if path == "a list in a list in a closure":
+        nested = [[layer]]
+        return lambda t: torch.tanh(nested[0][0](t))
+    if path == "an object's dict in a closure":
+        config = _Config({"k": layer})
+        return lambda t: torch.tanh(config.layers["k"](t))
+    raise AssertionError(path)
+
+
+REACH_PATHS = (
+    "the module itself", "a partial of an object of the user's", "a list in a list in a closure",
+    "an object's dict in a closure",
+)
+
+
+def _step_between_forward_and_backward(checkpoint, use_reentrant, path, stepped="the block's"):
+    torch.manual_seed(0)
+    layer, other = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 3).double()
+    # the reentrant checkpoint's output requires grad only through an input that does; then the plain
+    # program's Linear saves its weight (for that input's gradient), and the step is autograd's error there
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=bool(use_reentrant))
+    block = _reach(path, layer)
+    optimizer = torch.optim.SGD((layer if stepped == "the block's" else other).parameters(), lr=0.5)
+    loss = checkpoint(block, x, use_reentrant=use_reentrant).pow(2).sum()
+    for p in (*layer.parameters(), *other.parameters()):
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # between the forward and the backward: the recompute reads the stepped weights
+    for p in layer.parameters():
+        p.grad = None
+    loss.backward()
+    return [layer.weight.grad, layer.bias.grad]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("path", REACH_PATHS)
+def test_optimizer_step_is_seen_whichever_way_the_block_reaches_its_module(path, use_reentrant):
+    """CKG108 read the block's modules through its direct reach only: a module behind an object a partial
+    binds, in a list in a list, or in an object's dict its closure holds was "unseen", so the step went
+    unblamed and torch's recompute returned gradients of the stepped weights (silently wrong)."""
+    probe = functools.partial(_step_between_forward_and_backward, path=path)
+    raw = run_raw(probe, use_reentrant)  # raw torch: a number, from the stepped weights
+    if use_reentrant:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            probe(no_checkpoint, use_reentrant)  # the plain program raises; raw torch's number is wrong
+    else:
+        assert not all_close(raw, probe(no_checkpoint, use_reentrant))
+    for policy in ("strict", "fallback"):  # fallback cannot undo a step either: it raises
+        with pytest.raises(CheckpointCompositionError) as info:
+            run_guarded(probe, use_reentrant, policy)
+        assert info.value.rule.id == "CKG108"
+    # another module stepped: nothing the block reads changed, no rule fires, the numbers are the plain ones
+    # (each run steps and differentiates fresh modules, seeded alike)
+    quiet = functools.partial(probe, stepped="another module's")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        assert_all_close(run_guarded(quiet, use_reentrant, "strict"), quiet(no_checkpoint, use_reentrant))
 
 
 def test_optimizer_hook_never_breaks_a_step():

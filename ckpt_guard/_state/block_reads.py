@@ -10,14 +10,15 @@ the function:
 * a bound method of a module other than those (``checkpoint(gan.generate, z)``):
   that module may be used only in part;
 * ``functools.partial``: its function, as above, and its bound arguments and
-  keywords (a parent module bound there may be used only in part; a tensor
-  bound there is read as is) — transformers checkpoints
+  keywords as a closure's cells (a parent module bound there may be used only
+  in part; a tensor bound there is read as is) — transformers checkpoints
   ``partial(layer.__call__, **kwargs)`` and, in 5.x, ``partial(forward, self, ...)``;
 * what a function holds in its closure cells or default arguments, or names
   as globals (``checkpoint(block_fn, x)`` where ``block_fn`` uses a
   module-level ``model``), and modules or tensors inside a list, tuple or dict
-  held there (``checkpoint_sequential`` closes over a list of modules): a
-  module found there may be used only in part;
+  held there, and in those it holds (``checkpoint_sequential`` closes over a
+  list of modules; ``[[block, head]]``): a module found there may be used only
+  in part;
 That is the *direct* view (``Reads.whole``, ``partial``, ``tensors``): what
 the call-time rules CKG003 / CKG006 and CKG108 count, so that a block is not
 blamed for a model it merely has a path to.  The *complete* view
@@ -159,19 +160,35 @@ def is_users_object(value: Any) -> bool:
     return (type(value).__module__ or "").split(".")[0] not in LIBRARY_ROOTS
 
 
-def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool]:
-    """``(modules, tensors and functions to walk, opaque?)`` for a value a closure cell or a global holds.
+#: how deep containers held in containers are looked into (``[[block, head]]``, ``{"stages": [...]}``)
+CONTAINER_DEPTH = 3
 
-    A list, tuple or dict longer than ``limit`` is not looked into (opaque).
+
+def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool, int]:
+    """``(modules, tensors and functions to walk, opaque?, values looked at)`` for a value a closure cell,
+    a global or a partial holds.
+
+    Inside a list, tuple or dict (and those it holds, :data:`CONTAINER_DEPTH` deep): the modules and
+    tensors, and the functions, partials, methods and objects of the user's to walk further.  One
+    longer than ``limit``, or deeper, is not looked into (opaque).
     """
     if isinstance(value, (Module, Tensor)) or _walkable(value):
-        return [value], False
+        return [value], False, 1
     if isinstance(value, (list, tuple, dict)):
-        if len(value) > limit:
-            return [], True
-        items: Any = value.values() if isinstance(value, dict) else value
-        return [v for v in items if isinstance(v, (Module, Tensor))], False
-    return [], is_users_object(value)
+        found: List[Any] = []
+        todo, looked = [(value, CONTAINER_DEPTH)], 0
+        while todo:
+            container, depth = todo.pop()
+            looked += len(container)
+            if looked > limit or depth == 0:
+                return found, True, looked
+            for item in (container.values() if isinstance(container, dict) else container):
+                if isinstance(item, (Module, Tensor)) or _walkable(item):
+                    found.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    todo.append((item, depth - 1))
+        return found, False, looked
+    return [], is_users_object(value), 1
 
 
 def _referenced(function: Any) -> Iterator[Any]:
@@ -241,9 +258,12 @@ def reads_of(function: Any) -> Reads:
                 elif isinstance(obj, Tensor):
                     found["deep_tensors" if is_deep else "tensors"].append(obj)
                 elif isinstance(obj, functools.partial):
-                    # the function runs as its own; what is bound may be used only in part
+                    # the function runs as its own; what is bound may be used only in part (a module,
+                    # or one in a list or dict bound there), an object of the user's is walked as a held one
                     todo.append((obj.func, run_whole, True))
-                    todo.extend((o, False, False) for o in (*obj.args, *obj.keywords.values()))
+                    unseen = _queue_held((*obj.args, *obj.keywords.values()), todo, deeper, budget)
+                    deep_unseen = deep_unseen or unseen
+                    direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif type(obj) is MethodType:
                     owner = obj.__self__
                     if isinstance(owner, Module):
@@ -290,8 +310,8 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list) -> bool:
         budget[0] -= 1
         if budget[0] < 0:
             return True
-        found, opaque = _held(value, budget[0])
-        budget[0] -= len(value) if isinstance(value, (list, tuple, dict)) and not opaque else len(found)
+        found, opaque, looked = _held(value, budget[0])
+        budget[0] -= looked
         unseen = unseen or opaque
         for v in found:
             if isinstance(v, (Module, Tensor)):
