@@ -412,6 +412,38 @@ def test_optimizer_step_is_seen_whichever_way_the_block_reaches_its_module(path,
         assert_all_close(run_guarded(quiet, use_reentrant, "strict"), quiet(no_checkpoint, use_reentrant))
 
 
+def _eval_between_forward_and_backward(checkpoint, use_reentrant, path):
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5)).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    block = _reach(path, layer)
+    loss = checkpoint(block, x, use_reentrant=use_reentrant).pow(2).sum()
+    layer.eval()  # between the forward and the backward: torch's recompute would draw no dropout mask
+    loss.backward()
+    return [layer[0].weight.grad, x.grad]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("path", REACH_PATHS)
+def test_a_train_eval_switch_is_replayed_by_fallback_whichever_way_the_block_reaches_its_module(path, use_reentrant):
+    """CKG106: strict raises; fallback recomputes each module in the mode the forward had.  Through a partial
+    binding an object of the user's, fallback found no module to put back (its roots were read from the
+    partial's function, the snapshot from the partial) and raised where it can replay."""
+    probe = functools.partial(_eval_between_forward_and_backward, path=path)
+    reference = probe(no_checkpoint, use_reentrant)
+    try:  # raw torch: the eval-mode recompute's numbers, or (non-reentrant) its count of saved tensors differs
+        raw = run_raw(probe, use_reentrant)
+    except torch.utils.checkpoint.CheckpointError:
+        raw = None
+    assert raw is None or not all_close(raw, reference)
+    with pytest.raises(CheckpointCompositionError) as info:
+        run_guarded(probe, use_reentrant, "strict")
+    assert info.value.rule.id == "CKG106"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)  # fallback says what it replays
+        assert_all_close(run_guarded(probe, use_reentrant, "fallback"), reference)
+
+
 def test_optimizer_hook_never_breaks_a_step():
     """An optimizer whose param_groups the hook cannot read still steps; fused steps count."""
 

@@ -438,7 +438,9 @@ def snapshot_roots(function: object) -> list:
     """The modules whose snapshots the block's is made of: its module (itself, its bound method, a
     partial of either), or each module its closure's cells hold (see :func:`_closure_snapshot`)."""
     block = _block_module(function)
-    return [block] if isinstance(block, Module) else closure_held(block)
+    # closure_held peels the partial itself: given the peeled function, it would not see what a partial
+    # binds (``partial(run, cfg)`` with ``cfg.layers["k"]``), which the snapshot reached from the call's
+    return [block] if isinstance(block, Module) else closure_held(function)
 
 
 def snapshot_modules(function: object) -> list:
