@@ -123,6 +123,15 @@ def test_a_callable_whose_getattr_raises_is_not_the_guards_problem(policy):
             torch.testing.assert_close(out, block(x))
 
 
+def test_the_words_for_a_callable_whose_getattr_raises_are_the_guards():
+    """A rule fires (CKG002: reentrant under grad) on such a callable: building its message read
+    ``function.__code__`` and raised the user's KeyError instead of the guard's error."""
+    function = _KeyErrorOnAttributes(torch.nn.Linear(3, 3))
+    with ckpt_guard.policy("strict"), pytest.raises(ckpt_guard.CheckpointCompositionError) as info:
+        torch.func.grad(lambda x: checkpoint(function, x, use_reentrant=True).sum())(torch.randn(2, 3))
+    assert info.value.rule.id == "CKG002" and "checkpointed: a _KeyErrorOnAttributes object" in str(info.value)
+
+
 class _Net(torch.nn.Module):
     def __init__(self, block_fn):
         super().__init__()
