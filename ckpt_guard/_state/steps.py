@@ -65,11 +65,12 @@ def steps_relevant(function: object, was: int, now: int) -> bool:
     """Whether a step taken since the forward updated a parameter ``function`` uses.
 
     Never guesses: a module the function may use only in part counts only if
-    the steps updated every one of its trainable parameters; so does one found
-    only behind what the function holds (a helper's closure, an object of the
-    user's: ``partial(run, cfg)`` with ``cfg.layers["k"]``), where a tensor found
-    counts as read.  Parameters it cannot see at all (past the walk's budget, an
-    object with ``__slots__``) count as untouched.
+    the steps updated every one of its trainable parameters; parameters it
+    cannot see in the direct view count as untouched.  Not the complete view:
+    an object of the user's holding the block's module holds others too (a
+    GAN trainer's generator and discriminator: the discriminator's step moved
+    all of it), and which one the block runs needs the attribute names its code
+    reads (a known gap: ``partial(run, cfg)`` with ``cfg.layers["k"]``).
     """
     with _step_lock:
         updated = frozenset().union(*(ids for number, ids in _step_log if was < number <= now))
@@ -79,9 +80,7 @@ def steps_relevant(function: object, was: int, now: int) -> bool:
     surely = [*(p for m in reads.whole for p in m.parameters()), *reads.tensors]
     if any(id(p) in updated for p in surely):
         return True
-    if any(id(p) in updated for p in reads.deep_tensors):
-        return True
-    for module in (*reads.partial, *reads.deep):  # used in part, maybe: count it only when all of it moved
+    for module in reads.partial:  # used in part, maybe: count it only when all of it moved
         trainable = [p for p in module.parameters() if p.requires_grad]
         if trainable and all(id(p) in updated for p in trainable):
             return True
