@@ -168,6 +168,102 @@ def test_a_hidden_read_is_right_or_refused(place, read, transform, entry):
     torch.testing.assert_close(_run(place, read, transform, entry, "fallback"), reference)
 
 
+class _CallableHolder:
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self):
+        return self.w
+
+
+class _StaticHolder:
+    get = None  # a staticmethod set per program
+
+
+#: a global that holds a helper reading ``w``: each is set by the program, then read by the block
+GLOBAL_HOLDERS = {
+    "a dict of helpers": lambda w: {"w": (lambda v: lambda: v)(w)},
+    "a list of partials": lambda w: [functools.partial(lambda v: v, w)],
+    "a callable object": lambda w: _CallableHolder(w),
+    "a namespace holding a helper": lambda w: types.SimpleNamespace(get=(lambda v: lambda: v)(w)),
+    "an lru_cache-wrapped helper": lambda w: functools.lru_cache(None)((lambda v: lambda: v)(w)),
+    "a class's staticmethod": lambda w: _static_holder(w),
+}
+_READ_THROUGH = {
+    "a dict of helpers": lambda: GLOBAL_HOLDER["w"](), "a list of partials": lambda: GLOBAL_HOLDER[0](),
+    "a callable object": lambda: GLOBAL_HOLDER(), "a namespace holding a helper": lambda: GLOBAL_HOLDER.get(),
+    "an lru_cache-wrapped helper": lambda: GLOBAL_HOLDER(), "a class's staticmethod": lambda: GLOBAL_HOLDER.get(),
+}
+GLOBAL_HOLDER = None
+
+
+def _static_holder(w):
+    _StaticHolder.get = staticmethod((lambda v: lambda: v)(w))
+    return _StaticHolder
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)"])
+@pytest.mark.parametrize("holder", list(GLOBAL_HOLDERS))
+def test_a_tensor_read_through_its_closure_and_a_global_holder_is_never_a_wrong_number(holder, transform):
+    """The block reads ``w`` through its closure (so the walk lifts it) and through a global holding a
+    helper that returns it (which nothing rebinds for the recompute): the recompute read the call's
+    ``w`` there and the gradient was wrong (a review found these after the fix for a global helper
+    itself).  Everything a global holds is now walked as unbindable: refused, or fallback's right number."""
+    read = _READ_THROUGH[holder]
+
+    def program(ck):
+        def loss(w):
+            global GLOBAL_HOLDER
+            GLOBAL_HOLDER = GLOBAL_HOLDERS[holder](w)
+
+            def block(t):
+                return torch.tanh(t @ w) * read().sum()
+            return ck(block, X).pow(2).sum()
+        if transform == "grad":
+            return grad(loss)(W)
+        if transform == "vjp":
+            return torch.func.vjp(loss, W)[1](torch.tensor(1.0, dtype=DTYPE))[0]
+        return vmap(grad(loss))(torch.stack([W, 2 * W]))
+
+    reference = program(lambda f, x: f(x))
+    try:
+        with ckpt_guard.policy("strict"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = program(ckpt_guard.checkpoint)
+    except CheckpointCompositionError as exc:
+        assert _documented(exc), str(exc)
+    else:
+        torch.testing.assert_close(got, reference)
+    with _Installed("fallback"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = program(lambda f, x: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False))
+    torch.testing.assert_close(got, reference)
+
+
+def test_a_long_chain_of_global_helpers_is_walked_to_its_end():
+    """``h0 -> h1 -> ... -> h200``, each a global calling the next, the last returning ``w`` (also in the
+    block's closure): walked one helper per nested walk, the stack ran out past some 120 links, the
+    error was swallowed and the gradient was wrong.  One queue now: refused at any length."""
+    namespace: dict = {"__name__": "chain", "torch": torch, "X": X}
+    n = 200
+    exec("\n".join(f"def h{i}(): return h{i + 1}()" for i in range(n)) + f"\ndef h{n}(): return LAST()\n" + (
+        "def loss(w, ck):\n"
+        "    global LAST\n"
+        "    LAST = (lambda v: lambda: v)(w)\n"
+        "    def block(t):\n"
+        "        return torch.tanh(t @ w) * h0().sum()\n"  # w through the closure, and through the chain
+        "    return ck(block, X).pow(2).sum()\n"
+    ), namespace)
+    loss = namespace["loss"]
+
+    reference = grad(loss)(W, lambda f, x: f(x))
+    assert reference.abs().sum() > 0
+    with ckpt_guard.policy("strict"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointCompositionError, match="global-tensor"):
+            grad(loss)(W, ckpt_guard.checkpoint)
+
+
 def test_a_read_no_walk_and_no_mode_sees_is_refused_from_the_graph():
     """Looked up where no walk follows (by name, through sys.modules) and read with torch functions off:
     neither the walk nor the mode sees it; the graph of what the block returned does (it was silently 0)."""

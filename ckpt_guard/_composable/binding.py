@@ -11,9 +11,9 @@ in their place, without anything another thread could see:
   user's classes, a module's plain attributes and forward hooks), and the
   tensors held in places that can be rebuilt (closure cells, defaults,
   partials, containers, dataclass fields, objects' attributes).  Globals,
-  class attributes and module namespaces cannot be rebuilt: a tensor that
-  needs a gradient and is read only through one of those is caught by the
-  run-time proof (``proof``), never read as a constant.
+  class attributes and namespaces cannot be rebuilt: what they hold, at any
+  depth, is unbindable (a call reading such a tensor is refused), and a read
+  no walk found is caught by the run-time proof (``proof``).
 
 * **Functions and containers are rebuilt, never mutated** (:func:`rebuild`):
   a closure gets a copy with new cells, a ``partial``, a bound method, a
@@ -463,14 +463,11 @@ class _Rebuild:
         self, swap: Dict[int, Any], visit: Optional[Callable[[Any, bool], None]] = None,
         fill: Optional[Any] = None,
     ) -> None:
-        self.swap = swap
-        self.fill = fill
-        self.visit = visit  # visit(tensor_or_module, bindable)
+        self.swap, self.fill, self.visit = swap, fill, visit  # visit(tensor_or_module, bindable)
         self.memo: Dict[int, Tuple[Any, bool]] = {}
-        self.budget = _reads.BUDGET
-        self.exhausted = False
-        #: ids of the global helpers walked as unbindable (see :meth:`_walk_unbound`), shared by its walks
-        self.walked_unbound: set = set()
+        self.budget, self.exhausted = _reads.BUDGET, False
+        #: the globals walked as unbindable (ids), those queued, whether a walk drains them (:meth:`_walk_unbound`)
+        self.walked_unbound, self.unbound_queue, self.draining = set(), [], [False]
 
     def __call__(self, obj: Any) -> Tuple[Any, bool]:
         """``(obj rebuilt, whether a swapped tensor is inside)``."""
@@ -640,41 +637,44 @@ class _Rebuild:
         return copied, any_changed or d_changed or k_changed
 
     def _visit_unbindable(self, value: Any) -> None:
-        """A global: its modules are still bound (through the module itself), its tensors are not."""
+        """A global: its modules are still bound (through the module itself), nothing it holds is (a helper,
+        ``HELPER = make(w)``, a partial, a bound method, a callable object, a dict or list of them, a namespace)."""
         if isinstance(value, Module):
             self(value)
-        elif self.visit is not None and (_user_function(value) or isinstance(value, (functools.partial, types.MethodType))):
-            self._walk_unbound(value)  # a helper kept as a global (HELPER = make(w), a partial, a bound method)
-        elif isinstance(value, Tensor) and self.visit is not None:
+        elif self.visit is None:
+            return
+        elif isinstance(value, Tensor):
             self.visit(value, False)
-        elif isinstance(value, (list, tuple, dict)) and len(value) <= self.budget:
-            for item in (value.values() if isinstance(value, dict) else value):
-                if isinstance(item, Module):
-                    self(item)
-                elif isinstance(item, Tensor) and self.visit is not None:
-                    self.visit(item, False)
-        elif self.visit is not None and _user_namespace(value):
-            # a class of the user's (its class attributes), an object of the user's (a namespace kept
-            # as a global): the tensors there are read unbound, by whatever path the block takes
-            for item in list(vars(value).values())[: self.budget]:
-                if isinstance(item, Module):
-                    self(item)
-                elif isinstance(item, Tensor):
-                    self.visit(item, False)
+        elif isinstance(value, type):  # a class of the user's: its attributes, a staticmethod's function, not its methods
+            for item in list(vars(value).values())[: self.budget] if _user_namespace(value) else ():
+                item = item.__func__ if isinstance(item, (staticmethod, classmethod)) else item
+                if not (isinstance(item, types.FunctionType) and item.__qualname__.startswith(value.__qualname__ + ".")):
+                    self._visit_unbindable(item)
+        elif isinstance(value, (list, tuple, dict, functools.partial, types.MethodType)) or _user_function(value) \
+                or _reads.is_users_object(value) or _user_namespace(value):
+            self._walk_unbound(value)
+        elif callable(value) and callable(_reads.attribute(value, "__wrapped__")):  # lru_cache, wraps: what it wraps
+            self._walk_unbound(value.__wrapped__)
 
     def _walk_unbound(self, value: Any) -> None:
-        """Walk ``value`` with every tensor it reaches visited as unbindable, its modules still bound: nothing
-        rebuilds a global, so a recompute reads what it holds unbound, even where the same tensor is bound
-        another way (a walk of its own: this one's memo skips what it has seen), out of this walk's budget."""
-        if id(value) in self.walked_unbound:  # a global helper reaching itself, or one seen already
+        """Walk ``value`` as unbindable (its modules still bound: nothing rebuilds a global, even where the same
+        tensor is bound another way), in a walk of its own (this one's memo skips what it saw), out of one queue
+        the outermost walk drains (a chain of global helpers does not deepen the stack), within the budget."""
+        if id(value) not in self.walked_unbound:  # (not a global helper reaching itself, nor one seen already)
+            self.walked_unbound.add(id(value))
+            self.unbound_queue.append(value)
+        if self.draining[0]:
             return
-        self.walked_unbound.add(id(value))
-        visit = self.visit
-        assert visit is not None
-        unbound = _Rebuild({}, lambda obj, bindable: visit(obj, bindable and isinstance(obj, Module)))
-        unbound.budget, unbound.walked_unbound = self.budget, self.walked_unbound
-        unbound(value)
-        self.budget, self.exhausted = unbound.budget, self.exhausted or unbound.exhausted
+        visit, self.draining[0] = self.visit, True
+        try:
+            while self.unbound_queue:
+                unbound = _Rebuild({}, lambda obj, bindable: visit(obj, bindable and isinstance(obj, Module)))  # type: ignore[misc]
+                unbound.budget, unbound.walked_unbound, unbound.unbound_queue, unbound.draining = (
+                    self.budget, self.walked_unbound, self.unbound_queue, self.draining)
+                unbound(self.unbound_queue.pop())
+                self.budget, self.exhausted = unbound.budget, self.exhausted or unbound.exhausted
+        finally:
+            self.draining[0] = False
 
     @staticmethod
     def _with_attributes(obj: Any, changes: dict) -> Tuple[Any, bool]:

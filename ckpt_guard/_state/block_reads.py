@@ -121,7 +121,7 @@ class Reads:
                         todo.extend(m for m in items if isinstance(m, Module))
 
 
-def _attribute(obj: Any, name: str) -> Any:
+def attribute(obj: Any, name: str) -> Any:
     """``getattr(obj, name, None)``, or ``_BROKEN`` if the lookup raises anything else."""
     try:
         return getattr(obj, name, None)
@@ -193,7 +193,7 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool, int]:
 
 def _referenced(function: Any) -> Iterator[Any]:
     """What a Python function holds: closure cells, default arguments, its globals."""
-    cells = _attribute(function, "__closure__")
+    cells = attribute(function, "__closure__")
     if cells is _BROKEN:
         raise LookupError("__closure__")
     for cell in cells or ():
@@ -201,9 +201,9 @@ def _referenced(function: Any) -> Iterator[Any]:
             yield cell.cell_contents
         except ValueError:  # an empty cell
             continue
-    yield from _attribute(function, "__defaults__") or ()
-    yield from (_attribute(function, "__kwdefaults__") or {}).values()
-    code, namespace = _attribute(function, "__code__"), _attribute(function, "__globals__")
+    yield from attribute(function, "__defaults__") or ()
+    yield from (attribute(function, "__kwdefaults__") or {}).values()
+    code, namespace = attribute(function, "__code__"), attribute(function, "__globals__")
     if isinstance(code, types.CodeType) and isinstance(namespace, dict):
         for name in global_names(code):
             if name in namespace:
@@ -267,7 +267,7 @@ def reads_of(function: Any) -> Reads:
                 elif type(obj) is MethodType:
                     owner = obj.__self__
                     if isinstance(owner, Module):
-                        name = _attribute(obj.__func__, "__name__")
+                        name = attribute(obj.__func__, "__name__")
                         todo.append((owner, run_whole and name in _CALL_METHODS, False))
                     else:  # a method of the user's object: what the object holds, and the method
                         if is_users_object(owner):
@@ -281,11 +281,11 @@ def reads_of(function: Any) -> Reads:
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif look_into and is_users_object(obj):  # an object of the user's: its attributes, and its __call__
                     direct_unseen = direct_unseen or not is_deep
-                    attributes = _attribute(obj, "__dict__")
+                    attributes = attribute(obj, "__dict__")
                     if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
                         deep_unseen = True
                         continue
-                    call = _attribute(type(obj), "__call__")
+                    call = attribute(type(obj), "__call__")
                     held = [*attributes.values(), *([call] if isinstance(call, types.FunctionType) else [])]
                     deep_unseen = _queue_held(held, deeper, deeper, budget) or deep_unseen
             except Exception:  # noqa: BLE001 - never raise into the user's call
