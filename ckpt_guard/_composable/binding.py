@@ -18,9 +18,8 @@ in their place, without anything another thread could see:
 * **Functions and containers are rebuilt, never mutated** (:func:`rebuild`):
   a closure gets a copy with new cells, a ``partial``, a bound method, a
   list, dict, tuple, dataclass or object of the user's class a copy holding
-  the chosen tensors.  A copy made once at plan time also *freezes* the
-  closure cells: a loop that rebinds a variable the block closes over
-  (``m = MASKS[i]``) cannot change what the recompute reads.
+  the chosen tensors.  A copy made at plan time also *freezes* the closure
+  cells (``m = MASKS[i]`` in a loop cannot change what the recompute reads).
 
 * **Modules are bound, never copied** (:func:`bound`): a module's identity
   matters (hooks and forwards store state on it), so its ``_parameters`` and
@@ -444,9 +443,8 @@ def _filled(cell: Any) -> bool:
 class Hole:
     """Where a lifted tensor goes (``index`` into the recompute's inputs), or its bound ``method``.
 
-    A plan keeps its block as a graph with holes in it, not with the call's
-    tensors: those belong to the transforms of the call (and hold their
-    graphs), the plan lives as long as the backward may run.
+    A plan keeps its block as a graph with holes in it, not with the call's tensors: those belong
+    to the transforms of the call (and hold their graphs), the plan lives as long as the backward.
     """
 
     __slots__ = ("index", "method")
@@ -547,8 +545,8 @@ class _Rebuild:
             new[:] = items
             return new, True
         if isinstance(obj, dict):
-            if len(obj) > self.budget:
-                self.exhausted = True
+            if len(obj) > self.budget or _reads.only_plain(obj.values()):
+                self.exhausted = self.exhausted or len(obj) > self.budget
                 return obj, False
             changes = {}
             for k, v in obj.items():
@@ -569,7 +567,7 @@ class _Rebuild:
             return self._with_attributes(obj, changes)
         if _reads.is_users_object(obj) and not isinstance(obj, (type, types.ModuleType)):
             attributes = getattr(obj, "__dict__", None)
-            if not isinstance(attributes, dict):
+            if not isinstance(attributes, dict) or _reads.only_plain(attributes.values()):
                 return obj, False
             changes = {}
             for k, v in list(attributes.items()):
@@ -580,6 +578,8 @@ class _Rebuild:
         return obj, False
 
     def _sequence(self, items: Any) -> Tuple[list, bool]:
+        if _reads.only_plain(items):  # nothing to rebuild or visit, at C speed
+            return list(items), False
         if len(items) > self.budget:
             self.exhausted = True
             return list(items), False

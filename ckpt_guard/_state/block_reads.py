@@ -146,6 +146,15 @@ LIBRARY_ROOTS = frozenset({
 BUDGET = 5000
 
 
+#: values no walk looks into (a container of only these holds no module, tensor or function)
+PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def only_plain(values: Any) -> bool:
+    """Whether ``values`` are all numbers, strings or None (a config's table): checked at C speed."""
+    return PLAIN_TYPES.issuperset(map(type, values))
+
+
 def _walkable(value: Any) -> bool:
     """A function, partial, bound method or object of the user's a held value may hide a module behind."""
     if isinstance(value, types.FunctionType):
