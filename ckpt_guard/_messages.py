@@ -88,7 +88,7 @@ def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, root
     modules = reads.whole or reads.partial
     while isinstance(function, functools.partial):  # transformers: partial(layer.__call__, **kwargs)
         function = function.func
-    name = _attribute(function, "__qualname__")
+    name = _reads.attribute(function, "__qualname__")  # (never the user's error: _reads' BROKEN instead)
     named = f"function {name}" if isinstance(name, str) else f"a {type(function).__name__} object"
     if not modules:
         return named
@@ -96,21 +96,12 @@ def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, root
     found = _placed(module, frame, roots)
     placed = type(module).__name__ if found is None else (
         f"{type(module).__name__} at {found[1]} (in {type(found[0]).__name__})")
-    if isinstance(function, _torch.nn.Module) or isinstance(_attribute(function, "__self__"), _torch.nn.Module):
+    if isinstance(function, _torch.nn.Module) or isinstance(_reads.attribute(function, "__self__"), _torch.nn.Module):
         return placed  # the module itself, or one of its methods
-    if _attribute(function, "__module__") == "torch._higher_order_ops.wrap":
+    if _reads.attribute(function, "__module__") == "torch._higher_order_ops.wrap":
         graph = found[1] if found is not None else type(module).__name__  # the wrapper runs the traced graph
         return f"a block traced by torch.compile (graph {graph})"
     return f"{named}, which reads {placed}"  # a closure or lambda: not the module it reads
-
-
-def _attribute(obj: Any, name: str) -> Any:
-    """``getattr(obj, name, None)``, None too where the lookup raises (a user's ``__getattr__`` raising
-    ``KeyError``): the words must never raise into the user's call."""
-    try:
-        return getattr(obj, name, None)
-    except Exception:  # noqa: BLE001 - whatever the user's lookup raises
-        return None
 
 
 def _placed(module: Any, frame: Optional[FrameType], roots: Sequence[Any]) -> Optional[tuple]:
@@ -134,8 +125,8 @@ def _placed(module: Any, frame: Optional[FrameType], roots: Sequence[Any]) -> Op
 def _sequential_segment(function: Any) -> Optional[list]:
     """The modules one ``checkpoint_sequential`` segment runs (``functions[start:end + 1]`` in the
     closure of torch's ``run_function``), or None for any other function."""
-    code = _attribute(function, "__code__")
-    if not isinstance(code, CodeType) or "run_function.<locals>" not in (_attribute(function, "__qualname__") or ""):
+    code, name = _reads.attribute(function, "__code__"), _reads.attribute(function, "__qualname__")
+    if not isinstance(code, CodeType) or not isinstance(name, str) or "run_function.<locals>" not in name:
         return None
     cells = dict(zip(code.co_freevars, function.__closure__ or ()))
     try:

@@ -130,10 +130,8 @@ def written_since_call(root: Any, saved: Sequence[Tensor]) -> Tuple[int, ...]:
     """
     written = []
     for watched in root.found.callers_inputs:
-        i, base = watched.index, watched.tensor()
-        watched.let_go()
-        if watched.written or base is not None and _version(base) != watched.version:
-            watched.written = True
+        i, (base, moved) = watched.index, watched.read()
+        if moved:
             written.append(i)
         elif base is not None and _is_cow is not None and not _is_cow(base) and i < len(saved) \
                 and not _same_values(base, _base(saved[i])):
@@ -154,14 +152,7 @@ def tangents_written_since_call(root: Any) -> Tuple[int, ...]:
     the block's tangent graph saved that tangent and something differentiates the tangents (jvp, then
     ``.backward()``); the jvp derivative's recompute then moves its own copy's version the same way
     (``function._vjp``)."""
-    written = []
-    for watched in root.found.callers_tangents:
-        tangent = watched.tensor()
-        watched.let_go()
-        if watched.written or tangent is not None and _version(tangent) != watched.version:
-            watched.written = True
-            written.append(watched.index)
-    return tuple(written)
+    return tuple(watched.index for watched in root.found.callers_tangents if watched.read()[1])
 
 
 def _tangent_of(t: Tensor) -> Optional[Tensor]:
@@ -193,6 +184,14 @@ class Watched:
 
     def tensor(self) -> Optional[Tensor]:
         return self._held if self._ref is None else self._ref()
+
+    def read(self) -> Tuple[Optional[Tensor], bool]:
+        """``(the caller's tensor or None once collected, whether written since the call)``, at a recompute:
+        its version moved, now or at an earlier recompute (remembered); it is held weakly from then on."""
+        tensor = self.tensor()
+        self.let_go()
+        self.written = self.written or tensor is not None and _version(tensor) != self.version
+        return tensor, self.written
 
     def let_go(self) -> None:
         if self._held is not None:

@@ -54,8 +54,6 @@ class Plan:
         self.found = ForwardRecord(self.at_call.slots)
         #: the world each recompute replays: captured by this class as the forward runs
         self.world = ReplayWorld()
-        #: the Function's operands: these inputs, then the plain run's output tensors (precomputed)
-        self.n_inputs = self.at_call.n_inputs
         #: (jvp level, tangents): the plain run's output tangents, where a jvp level computed them, until
         #: the Function's jvp rule takes them (``function._take_tangents``)
         self.tangents: Optional[tuple] = None
@@ -81,6 +79,11 @@ class Plan:
     def watch_callers(self, inputs: List[Any], tangents: List[Any]) -> None:
         """The inputs (and their tangents) the caller may write into after the call (``later_writes``)."""
         self.found.callers_inputs, self.found.callers_tangents = inputs, tangents
+
+    @property
+    def n_inputs(self) -> int:
+        """The Function's operands that are inputs (the plain run's output tensors follow: precomputed)."""
+        return self.at_call.n_inputs
 
     @property
     def eager_requires_grad(self) -> Optional[bool]:
