@@ -74,7 +74,7 @@ class Comp:
 
 
 class _Slots:
-    """An object without a ``__dict__``: the guard cannot look into it."""
+    """An object without a ``__dict__``: the guard reads the slots the block's code names."""
 
     __slots__ = ("block",)
 
@@ -161,7 +161,7 @@ class Net(torch.nn.Module):
                 fn = lambda t: holder.block(t)  # noqa: E731 - an object's attribute: seen
             elif comp.fn_kind == "object":
                 hidden = _Slots(self.block)
-                fn = lambda t: hidden.block(t)  # noqa: E731 - parameters out of the guard's sight
+                fn = lambda t: hidden.block(t)  # noqa: E731 - a slot the closure's code names: seen
             else:
                 fn = self.block
             if comp.entry == "direct":

@@ -128,15 +128,6 @@ def known_bug(comp: Comp, found: List[str], outcomes: dict) -> Optional[str]:
     # symptom needs a backward also fire when no backward follows.
     if rule in ("CKG003", "CKG006") and not comp.do_backward and _all(found, "false positive"):
         return "FP-FORWARD-ONLY"
-    # FN-PARAMS-UNSEEN (documented limit): CKG006 counts the parameters a block holds
-    # directly (modules, bound methods, partials, closures, globals, lists, tuples and
-    # dicts held there), not those behind an object's attribute (a block is not blamed
-    # for a model it merely has a path to), so a reentrant call whose input does not
-    # require grad trains nothing, silently, as in raw torch.
-    if (rule is None and comp.fn_kind in ("object", "namespace") and comp.use_reentrant is not False
-            and not comp.x_requires_grad and not comp.transforms
-            and _all(found, "false negative", "warn warned ()", "fallback differs")):
-        return "FN-PARAMS-UNSEEN"
     if not _all(found, "false positive"):
         return None
     # FP-PARENT-CAPTURED (documented limit): the checkpointed closure captures the
@@ -272,12 +263,10 @@ def check(comp: Comp) -> None:
 @example(comp=Comp(use_reentrant=True, fn_kind="dict", x_requires_grad=False))
 @example(comp=Comp(fcall="head", fn_kind="dict", use_reentrant=False))
 @example(comp=Comp(fcall="head", fn_kind="namespace", use_reentrant=False))
-@example(comp=Comp(use_reentrant=True, fn_kind="namespace", x_requires_grad=False, expect_bug="FN-PARAMS-UNSEEN")).xfail(
-    reason="FN-PARAMS-UNSEEN (documented limit): CKG006 does not count a module behind an object's attribute",
-    raises=AssertionError)
-@example(comp=Comp(use_reentrant=True, fn_kind="object", x_requires_grad=False, expect_bug="FN-PARAMS-UNSEEN")).xfail(
-    reason="FN-PARAMS-UNSEEN (documented limit): CKG006 cannot see a module in a __slots__ object's attribute",
-    raises=AssertionError)
+# CKG006 sees a module behind an object's attribute or slot that the block's code names (it did
+# not before: FN-PARAMS-UNSEEN, a reentrant call that trained nothing, silently)
+@example(comp=Comp(use_reentrant=True, fn_kind="namespace", x_requires_grad=False))
+@example(comp=Comp(use_reentrant=True, fn_kind="object", x_requires_grad=False))
 @example(comp=Comp(transforms=("functionalize",), use_reentrant=False, x_requires_grad=False, expect_bug="FP-FUNCTIONALIZE-CKG104")).xfail(
     condition=_holds("CKG104"),  # before 2.12 torch refuses functionalize here (CKG007)
     reason="FP-FUNCTIONALIZE-CKG104: CKG104 fires although torch's result matches the reference",

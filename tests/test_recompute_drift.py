@@ -8,6 +8,7 @@ import contextlib
 import functools
 import re
 import threading
+import types
 import warnings
 
 import pytest
@@ -344,30 +345,78 @@ def test_optimizer_step_on_a_partly_used_parent_fires_only_when_all_of_it_moved(
 
 
 class _Config:
-    """An object of the user's holding modules in a dict (a config, a registry)."""
+    """An object of the user's holding modules in a dict (a config, a registry), and a spare module
+    the block never names (a trainer's discriminator, say)."""
 
-    def __init__(self, layers):
-        self.layers = layers
+    def __init__(self, layers, spare=None):
+        self.layers, self.spare = layers, spare
 
 
-def _reach(path: str, layer: torch.nn.Module):
-    """A block reaching ``layer`` by ``path`` (what the walk must see for CKG108)."""
+class _Holder:
+    """A trainer-like object: its block runs ``self.layer`` through a helper method (or a property);
+    ``self.spare`` is never run by it."""
+
+    def __init__(self, layer, spare):
+        self.layer, self.spare = layer, spare
+
+    def run(self, t):
+        return torch.tanh(self._apply(t))
+
+    def _apply(self, t):
+        return self.layer(t)
+
+    def __call__(self, t):
+        return self.run(t)
+
+    @property
+    def main(self):
+        return self.layer
+
+
+class _Slots:
+    __slots__ = ("layer", "spare")
+
+    def __init__(self, layer, spare):
+        self.layer, self.spare = layer, spare
+
+
+def _reach(path: str, layer: torch.nn.Module, spare: torch.nn.Module):
+    """A block reaching ``layer`` by ``path`` (what the walk must see for CKG108); where an object of the
+    user's holds it, the object holds ``spare`` too, which the block never runs."""
     if path == "the module itself":
         return torch.nn.Sequential(layer, torch.nn.Tanh())  # (a Linear alone: its weight's gradient reads no weight)
     if path == "a partial of an object of the user's":
-        return functools.partial(lambda config, t: torch.tanh(config.layers["k"](t)), _Config({"k": layer}))
+        return functools.partial(lambda config, t: torch.tanh(config.layers["k"](t)), _Config({"k": layer}, spare))
     if path == "a list in a list in a closure":
         nested = [[layer]]
         return lambda t: torch.tanh(nested[0][0](t))
     if path == "an object's dict in a closure":
-        config = _Config({"k": layer})
+        config = _Config({"k": layer}, spare)
         return lambda t: torch.tanh(config.layers["k"](t))
+    if path == "an object's method":
+        return _Holder(layer, spare).run
+    if path == "a callable object":
+        return _Holder(layer, spare)
+    if path == "a callable object in a closure":
+        holder = _Holder(layer, spare)
+        return lambda t: holder(t)
+    if path == "an object's property in a closure":
+        holder = _Holder(layer, spare)
+        return lambda t: torch.tanh(holder.main(t))
+    if path == "an object in a namespace in a closure":
+        outer = types.SimpleNamespace(inner=_Config({"k": layer}), spare=spare)
+        return lambda t: torch.tanh(outer.inner.layers["k"](t))
+    if path == "a slot in a closure":
+        slots = _Slots(layer, spare)
+        return lambda t: torch.tanh(slots.layer(t))
     raise AssertionError(path)
 
 
 REACH_PATHS = (
     "the module itself", "a partial of an object of the user's", "a list in a list in a closure",
-    "an object's dict in a closure",
+    "an object's dict in a closure", "an object's method", "a callable object", "a callable object in a closure",
+    "an object's property in a closure",
+    "an object in a namespace in a closure", "a slot in a closure",
 )
 
 
@@ -377,7 +426,7 @@ def _step_between_forward_and_backward(checkpoint, use_reentrant, path, stepped=
     # the reentrant checkpoint's output requires grad only through an input that does; then the plain
     # program's Linear saves its weight (for that input's gradient), and the step is autograd's error there
     x = torch.randn(2, 3, dtype=torch.float64, requires_grad=bool(use_reentrant))
-    block = _reach(path, layer)
+    block = _reach(path, layer, other)  # (an object of the user's holds ``other`` too)
     optimizer = torch.optim.SGD((layer if stepped == "the block's" else other).parameters(), lr=0.5)
     loss = checkpoint(block, x, use_reentrant=use_reentrant).pow(2).sum()
     for p in (*layer.parameters(), *other.parameters()):
@@ -389,27 +438,13 @@ def _step_between_forward_and_backward(checkpoint, use_reentrant, path, stepped=
     return [layer.weight.grad, layer.bias.grad]
 
 
-#: where CKG108 (and CKG006) do not see the block's module: behind an object of the user's.  Counting
-#: the complete view there blamed a GAN generator's block for its trainer's discriminator step
-#: (test_a_discriminator_step_is_not_the_generator_blocks_drift); telling the module the block runs
-#: from the others its object holds needs the attribute names its code reads (closures.object_slots)
-_BEHIND_AN_OBJECT = {"a partial of an object of the user's", "an object's dict in a closure"}
-
-
-def _known_gap(paths, reason):
-    return [
-        pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=reason)) if path in _BEHIND_AN_OBJECT else path
-        for path in paths
-    ]
-
-
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-@pytest.mark.parametrize("path", _known_gap(REACH_PATHS, "CKG108 counts the direct view only (a known gap)"))
+@pytest.mark.parametrize("path", REACH_PATHS)
 def test_optimizer_step_is_seen_whichever_way_the_block_reaches_its_module(path, use_reentrant):
     """CKG108 reads the block's modules through its direct reach: a module in a list in a list was
     "unseen" (now seen), so the step went unblamed and torch's recompute returned gradients of the
-    stepped weights (silently wrong).  Behind an object of the user's it is not seen yet (expected
-    failures, strict: they fail once it is)."""
+    stepped weights (silently wrong).  Behind an object of the user's (``config.layers["k"]``) it was not
+    seen either, until the direct view followed the attributes the block's code names."""
     probe = functools.partial(_step_between_forward_and_backward, path=path)
     raw = run_raw(probe, use_reentrant)  # raw torch: a number, from the stepped weights
     if use_reentrant:
@@ -429,13 +464,14 @@ def test_optimizer_step_is_seen_whichever_way_the_block_reaches_its_module(path,
         assert_all_close(run_guarded(quiet, use_reentrant, "strict"), quiet(no_checkpoint, use_reentrant))
 
 
-def _eval_between_forward_and_backward(checkpoint, use_reentrant, path):
+def _eval_between_forward_and_backward(checkpoint, use_reentrant, path, switched="the block's"):
     torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5)).double()
+    layer, other = (torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5)).double() for _ in range(2))
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    block = _reach(path, layer)
+    block = _reach(path, layer, other)
     loss = checkpoint(block, x, use_reentrant=use_reentrant).pow(2).sum()
-    layer.eval()  # between the forward and the backward: torch's recompute would draw no dropout mask
+    # between the forward and the backward: torch's recompute would draw no dropout mask
+    (layer if switched == "the block's" else other).eval()
     loss.backward()
     return [layer[0].weight.grad, x.grad]
 
@@ -459,24 +495,30 @@ def test_a_train_eval_switch_is_replayed_by_fallback_whichever_way_the_block_rea
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)  # fallback says what it replays
         assert_all_close(run_guarded(probe, use_reentrant, "fallback"), reference)
+    # a module the block never runs switched (an object of the user's holds it): quiet, the plain numbers
+    quiet = functools.partial(probe, switched="another module's")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        assert_all_close(run_guarded(quiet, use_reentrant, "strict"), quiet(no_checkpoint, use_reentrant))
 
 
 def _reentrant_without_an_input_requiring_grad(checkpoint, use_reentrant, path, trainable=True):
     torch.manual_seed(0)
     layer = torch.nn.Linear(3, 3).double().requires_grad_(trainable)
+    spare = torch.nn.Linear(3, 3).double()  # trainable, held by an object of the user's, never run by the block
     x = torch.randn(2, 3, dtype=torch.float64)  # no input requires grad: the reentrant variant tracks nothing
-    out = checkpoint(_reach(path, layer), x, use_reentrant=use_reentrant)
+    out = checkpoint(_reach(path, layer, spare), x, use_reentrant=use_reentrant)
     if not out.requires_grad:
         return None  # no gradient reaches the layer
     out.pow(2).sum().backward()
     return [layer.weight.grad, layer.bias.grad]
 
 
-@pytest.mark.parametrize("path", _known_gap(REACH_PATHS, "CKG006 counts the direct view only (a known gap)"))
+@pytest.mark.parametrize("path", REACH_PATHS)
 def test_a_reentrant_checkpoint_whose_block_trains_is_seen_whichever_way_it_reaches_its_module(path):
     """CKG006 (a call-time rule): a reentrant checkpoint with no input requiring grad gives the block's
-    parameters no gradient (torch only warns).  A list in a list is seen now; behind an object of the
-    user's it is not yet (expected failures, strict: they fail once it is)."""
+    parameters no gradient (torch only warns).  A list in a list, and a module behind an object of the
+    user's (the attributes the block's code names), are seen now."""
     probe = functools.partial(_reentrant_without_an_input_requiring_grad, path=path)
     reference = probe(no_checkpoint, True)
     assert reference is not None and run_raw(probe, True) is None  # raw torch: no gradient at all

@@ -19,6 +19,13 @@ the function:
   held there, and in those it holds (``checkpoint_sequential`` closes over a
   list of modules; ``[[block, head]]``): a module found there may be used only
   in part;
+* behind an object of the user's held that way (a config, a trainer, the owner
+  of a method, the block itself as a callable object): the attributes the code
+  holding it names (``cfg.layers["k"]``: ``layers``), and those named by each
+  method or property of its class so named (``self.generate`` → ``self.G``),
+  :func:`names_read`; a ``__slots__`` object's slots alike.  A module found
+  there may be used only in part.
+
 That is the *direct* view (``Reads.whole``, ``partial``, ``tensors``): what
 the call-time rules CKG003 / CKG006 and CKG108 count, so that a block is not
 blamed for a model it merely has a path to.  The *complete* view
@@ -30,16 +37,16 @@ blamed for a model it merely has a path to.  The *complete* view
   of torch and the standard library are not walked (they hold no module of
   the user's);
 * objects of the user's own classes (a callable object, the owner of a
-  method): their attributes (``__dict__``) as a closure's cells, and their
+  method): all their attributes (``__dict__``) as a closure's cells, and their
   class's ``__call__``.
 
 The complete view is what the composable recompute lifts, CKG101 compares
 and CKG008 searches: there, missing a tensor is a wrong gradient and finding
 one too many costs nothing.  It stops after :data:`BUDGET` values looked at.
 
-An object without a ``__dict__`` (``__slots__``), or whatever is past the
-budget, is not looked into: the walk says so (``unseen``; in the direct view
-an object of the user's class counts as unseen too), and every rule says how
+In the complete view an object without a ``__dict__`` (``__slots__``), or
+whatever is past the budget, is not looked into: the walk says so (``unseen``;
+in the direct view an object of the user's class counts as unseen too), and every rule says how
 it treats what it cannot see.  Numbers, strings, torch's own objects and the
 like cannot hide a module.  A function's globals are the names its code
 loads as globals (its nested code objects', comprehensions', included), not
@@ -240,8 +247,146 @@ def global_names(code: types.CodeType) -> frozenset:
     return names
 
 
+@functools.lru_cache(maxsize=1024)
+def code_names(code: types.CodeType) -> frozenset:
+    """The names ``code`` and its nested code name (attributes, globals, methods): ``co_names``, deeply."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= code_names(constant)
+    return frozenset(names)
+
+
+#: what may follow the load of ``self`` where only its attributes are read or written
+_ATTRIBUTE_USES = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR", "COPY", "DUP_TOP", "LOAD_SUPER_ATTR"})
+
+
+@functools.lru_cache(maxsize=1024)
+def uses_itself(code: types.CodeType) -> bool:
+    """Whether a method's code uses its ``self`` other than through an attribute (``self(h)``, ``helper(self)``):
+    then what ``__call__`` reads is the block's too."""
+    if not code.co_argcount:
+        return False
+    itself = code.co_varnames[0]
+    instructions = list(dis.get_instructions(code))
+    for at, instruction in enumerate(instructions):
+        name = instruction.opname
+        if "LOAD_FAST" not in name:
+            continue
+        loaded = instruction.argval
+        if isinstance(loaded, tuple):  # 3.13: LOAD_FAST_LOAD_FAST loads both, STORE_FAST_LOAD_FAST the second
+            if name.startswith("LOAD_FAST") and loaded[0] == itself:
+                return True  # below the other on the stack: an operand of what follows
+            loaded = loaded[-1]
+        if loaded == itself:
+            following = instructions[at + 1].opname if at + 1 < len(instructions) else ""
+            if following not in _ATTRIBUTE_USES:
+                return True
+    return False
+
+
+def method_names(function: types.FunctionType) -> frozenset:
+    """What a method's code names, ``__call__`` too where it uses its ``self`` whole (``self(h)``)."""
+    code = function.__code__
+    return code_names(code) | {"__call__"} if uses_itself(code) else code_names(code)
+
+
+#: names whose code reads attributes by a computed name: then every attribute is the code's read
+_COMPUTED_READS = frozenset({"getattr", "vars", "__dict__", "__getattribute__", "attrgetter"})
+#: the names to read an object by where no code says which (every attribute, and its ``__call__``)
+EVERY_NAME = frozenset({"__dict__", "__call__"})
+#: what code holding an object of the user's may run of it without naming anything: ``obj(h)``
+CALLED = frozenset({"__call__"})
+
+
+@dataclass(frozen=True)
+class ClassReads:
+    """What code naming some names may read of an object of a class (:func:`names_read`)."""
+
+    names: frozenset  # the instance attributes it may read
+    methods: Tuple[types.FunctionType, ...]  # the class's methods and properties it may run
+    slots: tuple  # the member descriptors of those names (a ``__slots__`` class)
+    class_values: tuple  # class-level values of those names that are not code (a module kept on the class)
+    every_attribute: bool  # it reads by a computed name (``getattr``, ``vars``, a ``__getattr__``): all of them
+
+
+@functools.lru_cache(maxsize=1024)
+def names_read(cls: type, names: frozenset) -> ClassReads:
+    """What code that names ``names`` may read of an object of ``cls``.
+
+    ``names``, and the names each method or property of the class they name names in turn
+    (``self.helper(h)``), with those methods' functions: a superset of the ``obj.<name>`` the code
+    reads, and no more of the class (a GAN trainer's ``self.D``, read in another method, is not the
+    generator's block's read).  Code that reads by a computed name reads every attribute.  Read once
+    per class and names.
+    """
+    members: dict = {}
+    for klass in reversed(cls.__mro__):
+        if (getattr(klass, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
+            members.update(vars(klass))
+    found, methods, done = set(names), [], set()
+    todo = [members[name] for name in names if name in members]
+    while todo:
+        value = todo.pop()
+        value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+        code = getattr(value, "__code__", None)
+        if type(value) is not types.FunctionType or code in done:
+            continue
+        done.add(code)
+        methods.append(value)
+        more = method_names(value)
+        found |= more
+        todo += [members[name] for name in more if name in members]
+    every = not found.isdisjoint(_COMPUTED_READS) or any(
+        type(members.get(hook)) is types.FunctionType for hook in ("__getattr__", "__getattribute__"))
+    wanted = members if every else {name: members[name] for name in found if name in members}
+    slots = tuple(v for v in wanted.values() if type(v) is types.MemberDescriptorType)
+    data = tuple(v for v in wanted.values() if isinstance(v, (Module, Tensor, list, tuple, dict)))
+    return ClassReads(frozenset(found), tuple(methods), slots, data, every)
+
+
+def attribute_values(owner: Any, reads: ClassReads) -> list:
+    """The values of ``owner``'s attributes ``reads`` names: its own (read past any ``__getattr__`` of
+    its class), its slots' (by their member descriptors), its class's; no user code runs."""
+    try:
+        attributes = object.__getattribute__(owner, "__dict__")
+    except (AttributeError, TypeError):  # __slots__ only
+        attributes = None
+    values = []
+    if type(attributes) is dict:
+        if reads.every_attribute:
+            values += attributes.values()
+        else:
+            values += [attributes[name] for name in reads.names if name in attributes]
+    for slot in reads.slots:
+        try:
+            values.append(slot.__get__(owner))
+        except AttributeError:  # an empty slot
+            continue
+    return values + list(reads.class_values)
+
+
 def clear_caches() -> None:
     _global_names_of.clear()
+    code_names.cache_clear()
+    uses_itself.cache_clear()
+    names_read.cache_clear()
+
+
+class _Named:
+    """An object of the user's the direct view reached, and the names the code that holds it names."""
+
+    __slots__ = ("owner", "names")
+
+    def __init__(self, owner: Any, names: frozenset):
+        self.owner, self.names = owner, names
+
+
+def function_of(callable_: Any) -> Any:
+    """The Python function a partial or a bound method runs (itself if it is one); None if none."""
+    while isinstance(callable_, functools.partial) or type(callable_) is MethodType:
+        callable_ = callable_.func if isinstance(callable_, functools.partial) else callable_.__func__
+    return callable_ if isinstance(callable_, types.FunctionType) else None
 
 
 def reads_of(function: Any) -> Reads:
@@ -249,6 +394,7 @@ def reads_of(function: Any) -> Reads:
     found: dict = {"whole": [], "partial": [], "tensors": [], "deep": [], "deep_tensors": []}
     direct_unseen = deep_unseen = False
     seen: set = set()
+    named: set = set()  # (id of an object of the user's, the names) the direct view followed
     budget = [BUDGET]
     # Two tiers: everything the direct view covers first, so that what it finds is
     # counted as direct even if a deeper path reaches it too.
@@ -257,10 +403,26 @@ def reads_of(function: Any) -> Reads:
     for is_deep, todo in ((False, direct), (True, deeper)):
         while todo and budget[0] > 0:
             obj, run_whole, look_into = todo.pop()
+            budget[0] -= 1
+            if type(obj) is _Named:  # (before ``seen``: an object is followed again for names new to it)
+                if (id(obj.owner), obj.names) in named:
+                    continue
+                named.add((id(obj.owner), obj.names))
+                try:
+                    unseen = _follow_named(obj, todo, deeper, budget)
+                except Exception:  # noqa: BLE001 - never raise into the user's call
+                    unseen = True
+                direct_unseen = direct_unseen or unseen
+                continue
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            budget[0] -= 1
+            # the names the code holding what is queued here names (the direct view follows those
+            # attributes of an object of the user's it holds); none in the complete view
+            names = None
+            if not is_deep and look_into:
+                held_by = function_of(obj)
+                names = code_names(held_by.__code__) if held_by is not None else None
             try:
                 if isinstance(obj, Module):
                     found["deep" if is_deep else ("whole" if run_whole else "partial")].append(obj)
@@ -270,7 +432,7 @@ def reads_of(function: Any) -> Reads:
                     # the function runs as its own; what is bound may be used only in part (a module,
                     # or one in a list or dict bound there), an object of the user's is walked as a held one
                     todo.append((obj.func, run_whole, True))
-                    unseen = _queue_held((*obj.args, *obj.keywords.values()), todo, deeper, budget)
+                    unseen = _queue_held((*obj.args, *obj.keywords.values()), todo, deeper, budget, names)
                     deep_unseen = deep_unseen or unseen
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif type(obj) is MethodType:
@@ -280,15 +442,23 @@ def reads_of(function: Any) -> Reads:
                         todo.append((owner, run_whole and name in _CALL_METHODS, False))
                     else:  # a method of the user's object: what the object holds, and the method
                         if is_users_object(owner):
-                            direct_unseen = direct_unseen or not is_deep
-                            deeper.append((owner, False, True))
+                            if is_deep:
+                                deeper.append((owner, False, True))
+                            else:  # the attributes its code names (a trainer's G, not its D), then all
+                                function_ = function_of(obj)
+                                if function_ is not None:
+                                    todo.append((_Named(owner, method_names(function_)), False, False))
+                                direct_unseen = True
+                                deeper.append((owner, False, True))
                         todo.append((obj.__func__, False, look_into))
                 elif look_into and isinstance(obj, types.FunctionType):
                     held = _referenced(obj)
-                    unseen = _queue_held(held, todo, deeper, budget)
+                    unseen = _queue_held(held, todo, deeper, budget, names)
                     deep_unseen = deep_unseen or unseen
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif look_into and is_users_object(obj):  # an object of the user's: its attributes, and its __call__
+                    if not is_deep:  # the block itself is one: what its __call__ names, then all
+                        todo.append((_Named(obj, CALLED), False, False))
                     direct_unseen = direct_unseen or not is_deep
                     attributes = attribute(obj, "__dict__")
                     if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
@@ -308,11 +478,24 @@ def reads_of(function: Any) -> Reads:
     )
 
 
-def _queue_held(values: Any, todo: list, deeper: list, budget: list) -> bool:
+def _follow_named(reached: _Named, todo: list, deeper: list, budget: list) -> bool:
+    """The direct view into an object of the user's: the attributes the code that reached it names
+    (``config.layers["k"]``, ``self.G``), and those its class's methods so named name in turn
+    (:func:`names_read`); the methods themselves are walked as a method's function is.  Only what
+    the code names: a trainer's discriminator is not its generator block's read.  True if unseen."""
+    owner = reached.owner
+    reads = names_read(type(owner), reached.names)
+    todo.extend((method, False, True) for method in reads.methods)
+    return _queue_held(attribute_values(owner, reads), todo, deeper, budget, reads.names)
+
+
+def _queue_held(values: Any, todo: list, deeper: list, budget: list, names: Any = None) -> bool:
     """Queue what a function or an object holds; True if some of it cannot be seen.
 
     Modules and tensors go on ``todo`` (the tier of the holder); functions and
-    objects of the user's on ``deeper`` (the complete view only).
+    objects of the user's on ``deeper`` (the complete view only).  With
+    ``names`` (the direct view), an object of the user's goes on ``todo`` too,
+    for the attributes of it that the holder's code names (:func:`_follow_named`).
     """
     unseen = False
     for value in values:
@@ -327,6 +510,8 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list) -> bool:
                 todo.append((v, False, False))
             else:
                 deeper.append((v, False, True))
+                if names is not None and is_users_object(v):  # (``obj(h)`` names nothing: its __call__ too)
+                    todo.append((_Named(v, names | CALLED), False, False))
     return unseen
 
 

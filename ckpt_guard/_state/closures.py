@@ -14,16 +14,18 @@ whose state the snapshot watches (CKG106, CKG110, CKG112, CKG115, CKG117), by
 from __future__ import annotations
 
 import contextlib
-import dis
 import functools
 import itertools
 import types
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from .basics import Module
-from .block_reads import LIBRARY_ROOTS, global_names, is_users_object
+from .block_reads import (
+    CALLED, EVERY_NAME, LIBRARY_ROOTS, attribute_values, code_names, function_of, global_names, is_users_object, method_names,
+    names_read,
+)
 
 
 #: how many functions a closure's cells lead to are followed for what they hold: ``lambda h:
@@ -121,7 +123,8 @@ def object_slots(block: object, with_globals: bool = True) -> list:
         attributes = None
     if type(attributes) is not dict:
         return closure_cells(function, with_globals)
-    named = [(name, attributes[name]) for name in _method_attribute_names(type(instance), function) if name in attributes]
+    names = names_read(type(instance), method_names(function)).names
+    named = [(name, attributes[name]) for name in sorted(names) if name in attributes]
     # a function the object holds and its code names (``self.step_fn(h)``) is followed as a closure's helper is
     found = closure_cells(
         function, with_globals, helpers=tuple(value for _, value in named if type(value) is types.FunctionType)
@@ -131,78 +134,6 @@ def object_slots(block: object, with_globals: bool = True) -> list:
         if not isinstance(value, (Module, *_CODE)):
             found.append((AttributeSlot(instance, name), f"the attribute {name!r} of the {label} object the block runs"))
     return found
-
-
-def _method_attribute_names(cls: type, function: types.FunctionType) -> tuple:
-    """The names the method ``function`` of ``cls`` names, and those of each method or property of the
-    class it names in turn (``self.helper(h)``; ``__call__`` too, which ``self(h)`` runs), sorted, read
-    once per class and method: a superset of the ``self.<name>`` the block reads, and no more of the
-    class (a trainer's ``self.last_loss = ...`` in another method is not the block's read)."""
-    key = (cls, function)
-    known = _method_names.get(key)
-    if known is None:
-        members: dict = {}
-        for klass in reversed(cls.__mro__):
-            if (getattr(klass, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
-                members.update(vars(klass))
-        names: set = set()
-        todo = [function, members.get("__call__") if _uses_itself(function.__code__) else None]
-        done: set = set()
-        while todo:
-            value = todo.pop()
-            value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
-            code = getattr(value, "__code__", None)
-            if code is None or id(code) in done:
-                continue
-            done.add(id(code))
-            found = code_names(code)
-            names |= found
-            todo += [members[name] for name in found if name in members]
-        known = tuple(sorted(names))
-        if len(_method_names) >= 1024:
-            _method_names.clear()
-        _method_names[key] = known
-    return known
-
-
-#: what may follow the load of ``self`` where only its attributes are read or written
-_ATTRIBUTE_USES = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR", "COPY", "DUP_TOP", "LOAD_SUPER_ATTR"})
-
-
-def _uses_itself(code: types.CodeType) -> bool:
-    """Whether a method's code uses its ``self`` other than through an attribute (``self(h)``, ``helper(self)``):
-    then what ``__call__`` reads is the block's too."""
-    if not code.co_argcount:
-        return False
-    itself = code.co_varnames[0]
-    instructions = list(dis.get_instructions(code))
-    for at, instruction in enumerate(instructions):
-        name = instruction.opname
-        if "LOAD_FAST" not in name:
-            continue
-        loaded = instruction.argval
-        if isinstance(loaded, tuple):  # 3.13: LOAD_FAST_LOAD_FAST loads both, STORE_FAST_LOAD_FAST the second
-            if name.startswith("LOAD_FAST") and loaded[0] == itself:
-                return True  # below the other on the stack: an operand of what follows
-            loaded = loaded[-1]
-        if loaded == itself:
-            following = instructions[at + 1].opname if at + 1 < len(instructions) else ""
-            if following not in _ATTRIBUTE_USES:
-                return True
-    return False
-
-
-def code_names(code: types.CodeType) -> set:
-    """The names ``code`` and its nested code name (attributes, globals, methods): ``co_names``, deeply."""
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names |= code_names(constant)
-    return names
-
-
-#: (class, method) -> the names :func:`_method_attribute_names` found (cleared past 1024 entries)
-_method_names: dict = {}
 
 
 def block_slots(block: object) -> list:
@@ -323,42 +254,50 @@ def reached_modules(function: object) -> list:
     found: dict = {}
     seen: set = set()
 
-    def visit(value: object, depth: int) -> None:
+    def visit(value: object, depth: int, names: Optional[frozenset] = None) -> None:
+        # ``names``: what the code holding ``value`` names, the attributes of an object of the user's
+        # it may read (a trainer's ``self.G``, not its ``self.D``: block_reads.names_read)
         if isinstance(value, Module):
             found.setdefault(id(value), value)
             return
         kind = type(value)
-        if depth <= 0 or kind in _SCALARS or kind is torch.Tensor or id(value) in seen:
+        if depth <= 0 or kind in _SCALARS or kind is torch.Tensor:
             return
-        seen.add(id(value))
+        users = is_users_object(value)
+        key = (id(value), names) if users else id(value)
+        if key in seen:
+            return
+        seen.add(key)
         if kind is types.MethodType:
-            visit(value.__self__, depth)  # a bound method is its object, and its function
-            visit(value.__func__, depth)
+            function = value.__func__  # a bound method is its function, and its object as the function reads it
+            visit(function, depth)
+            visit(value.__self__, depth, method_names(function) if type(function) is types.FunctionType else None)
         elif kind is types.FunctionType:
             if (getattr(value, "__module__", None) or "").split(".")[0] in LIBRARY_ROOTS:
                 return  # torch's or Python's own: holds no module of the user's
+            held_names = code_names(value.__code__)
             for item in _held_by_function(value):
-                visit(item, depth - 1)
+                visit(item, depth - 1, held_names)
         elif kind is functools.partial:
-            for item in (value.func, *value.args, *value.keywords.values()):
-                visit(item, depth - 1)
+            runs = function_of(value)
+            held_names = code_names(runs.__code__) if runs is not None else None
+            visit(value.func, depth - 1)
+            for item in (*value.args, *value.keywords.values()):
+                visit(item, depth - 1, held_names)
         elif kind is list or kind is tuple:
             for item in value[:REACH_ITEMS]:
-                visit(item, depth - 1)
+                visit(item, depth - 1, names)
         elif kind is dict:
             for item in itertools.islice(value.values(), REACH_ITEMS):
-                visit(item, depth - 1)
-        elif is_users_object(value) and not isinstance(value, (type, types.ModuleType, torch.Tensor)):
-            try:  # an object's own attributes, read past any __getattr__ of its class
-                attributes = object.__getattribute__(value, "__dict__")
-            except (AttributeError, TypeError):
-                return
-            if type(attributes) is dict:
-                for item in itertools.islice(attributes.values(), REACH_ITEMS):
-                    visit(item, depth - 1)
-                visit(getattr(type(value), "__call__", None), depth - 1)
+                visit(item, depth - 1, names)
+        elif users:  # the attributes the code names, read past any __getattr__ of its class; all without code
+            reads = names_read(kind, EVERY_NAME if names is None else names | CALLED)
+            for method in reads.methods:
+                visit(method, depth - 1)
+            for item in itertools.islice(attribute_values(value, reads), REACH_ITEMS):
+                visit(item, depth - 1, reads.names)
 
-    visit(function, REACH_DEPTH + 1)
+    visit(function, REACH_DEPTH + 1, CALLED)  # a callable object: what its __call__ names
     return list(found.values())
 
 

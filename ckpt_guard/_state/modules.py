@@ -22,7 +22,8 @@ import torch
 
 from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents
-from .closures import block_slots, closure_cells, code_names, object_slots, reached_modules
+from .block_reads import code_names
+from .closures import block_slots, closure_cells, object_slots, reached_modules
 
 
 # --------------------------------------------------------------------------

@@ -69,8 +69,8 @@ def steps_relevant(function: object, was: int, now: int) -> bool:
     cannot see in the direct view count as untouched.  Not the complete view:
     an object of the user's holding the block's module holds others too (a
     GAN trainer's generator and discriminator: the discriminator's step moved
-    all of it), and which one the block runs needs the attribute names its code
-    reads (a known gap: ``partial(run, cfg)`` with ``cfg.layers["k"]``).
+    all of it); the direct view follows only the attributes the block's code
+    names (``partial(run, cfg)`` with ``cfg.layers["k"]``; the trainer's ``G``).
     """
     with _step_lock:
         updated = frozenset().union(*(ids for number, ids in _step_log if was < number <= now))
