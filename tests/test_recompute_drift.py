@@ -535,6 +535,43 @@ def test_a_reentrant_checkpoint_whose_block_trains_is_seen_whichever_way_it_reac
         assert run_guarded(frozen, True, "strict") is None and frozen(no_checkpoint, True) is None
 
 
+def _vmapped_then_backward(checkpoint, use_reentrant, path, trainable=True):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3).double().requires_grad_(trainable)
+    spare = torch.nn.Linear(3, 3).double()  # trainable, held by an object of the user's, never run by the block
+    x = torch.randn(4, 2, 3, dtype=torch.float64)  # no input requires grad: only the parameters carry history
+    block = _reach(path, layer, spare)
+    out = torch.func.vmap(lambda t: checkpoint(block, t, use_reentrant=use_reentrant))(x)
+    if not out.requires_grad:
+        return None
+    out.pow(2).sum().backward()  # outside the vmap: torch's recompute would run the vmapped block outside it
+    return [layer.weight.grad, layer.bias.grad]
+
+
+@pytest.mark.parametrize("path", REACH_PATHS)
+def test_a_vmapped_checkpoint_whose_block_trains_is_seen_whichever_way_it_reaches_its_module(path):
+    """CKG003 (a call-time rule, from 2.12; CKG007 before, whatever the block holds): vmap over a
+    non-reentrant checkpoint whose block trains, then .backward() outside it, is torch's error; the
+    guard must count the block's parameters however it reaches its module, and only those."""
+    probe = functools.partial(_vmapped_then_backward, path=path)
+    reference = probe(no_checkpoint, False)
+    assert reference is not None
+    rule = "CKG003" if rule_by_id("CKG003").holds_on(installed()) else "CKG007"
+    with pytest.raises(RuntimeError):  # raw torch: escaped from the vmap (or, before 2.12, refused at the call)
+        run_raw(probe, False)
+    with pytest.raises(CheckpointCompositionError) as info:
+        run_guarded(probe, False, "strict")
+    assert info.value.rule.id == rule
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointCompositionWarning)
+        assert_all_close(run_guarded(probe, False, "fallback"), reference)
+    if rule == "CKG003":  # nothing the block runs trains (its object's spare module does): quiet, no history
+        frozen = functools.partial(probe, trainable=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            assert run_guarded(frozen, False, "strict") is None and frozen(no_checkpoint, False) is None
+
+
 class _GanTrainer:
     def __init__(self):
         self.G, self.D = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 1).double()

@@ -15,7 +15,9 @@ the Function must keep what the call saw, and say what autograd says where it sa
   names a copy on write by its storage object.  A complex input is copied through its real
   view (``_lazy_clone`` has no complex autograd formula).  Views into one storage are copied
   where the call's inputs span more than half of it together (``q, k, v = qkv.split(d, -1)``);
-  a row of a larger buffer is not (:func:`_small_part_of_its_storage`).
+  a row of a larger buffer is copied at the call instead, the row only
+  (:func:`_small_part_of_its_storage`): a copy on write of it would copy the whole buffer at
+  each write.
   The copy is a node of its own in the graph: in a second backward (reverse over reverse) the
   gradient reaching it waits in a buffer of its own before joining the caller's tensor's,
   one input-sized buffer more at the peak where the input is an uncheckpointed block's output
@@ -87,14 +89,15 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
     tangents: List[Watched] = []
     dual = _state.forward_ad._current_level >= 0  # a jvp or dual level: the inputs may carry tangents
     for (i, t, base), key in zip(candidates, storages):
-        if key is None or _small_part_of_its_storage(base, together[key]):
+        if key is None:
             continue
+        small = _small_part_of_its_storage(base, together[key])
         if kept is None:
             kept = list(operands)
-            if not _LIBRARY and _under_vmap():
-                _register_vmap_rule()
+        if not small and not _LIBRARY and _under_vmap():
+            _register_vmap_rule()
         try:
-            clone = _copy_on_write(t)
+            clone = t.clone() if small else _copy_on_write(t)
         except Exception:  # noqa: BLE001 - a tensor torch cannot clone so (a subclass, sparse): kept as it is
             continue
         callers.append(Watched(i, base, _version(base)))
@@ -209,7 +212,8 @@ def _small_part_of_its_storage(base: Tensor, together: int) -> bool:
     A copy on write covers the whole storage: a loop writing the next row of a buffer after each
     call would copy the whole buffer once per call, each pending copy kept until its backward
     (memory quadratic in the loop's length, measured).  An input whose call spans at most half of its
-    storage is saved as it is, as before: a write into that storage after the call is autograd's error.
+    storage is copied at the call instead, itself only: at most its own size, and a loop over the rows
+    of a buffer copies the buffer once in all.
     """
     try:
         return 2 * together <= base.untyped_storage().nbytes()
