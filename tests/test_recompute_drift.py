@@ -373,11 +373,26 @@ class _Holder:
         return self.layer
 
 
+class _Stages:
+    """An object of the user's its block iterates (``for stage in stages``): ``__iter__`` yields the layer
+    only; the spare is the object's too."""
+
+    def __init__(self, layer, spare):
+        self.layer, self.spare = layer, spare
+
+    def __iter__(self):
+        return iter([self.layer])
+
+
 class _Slots:
     __slots__ = ("layer", "spare")
 
     def __init__(self, layer, spare):
         self.layer, self.spare = layer, spare
+
+
+def _run_config(config, t):
+    return torch.tanh(config.layers["k"](t))
 
 
 def _reach(path: str, layer: torch.nn.Module, spare: torch.nn.Module):
@@ -406,6 +421,12 @@ def _reach(path: str, layer: torch.nn.Module, spare: torch.nn.Module):
     if path == "an object in a namespace in a closure":
         outer = types.SimpleNamespace(inner=_Config({"k": layer}), spare=spare)
         return lambda t: torch.tanh(outer.inner.layers["k"](t))
+    if path == "an object handed to a helper in a closure":
+        config = _Config({"k": layer}, spare)
+        return lambda t: _run_config(config, t)
+    if path == "an object iterated in a closure":
+        stages = _Stages(layer, spare)
+        return lambda t: torch.tanh(sum(stage(t) for stage in stages))
     if path == "a slot in a closure":
         slots = _Slots(layer, spare)
         return lambda t: torch.tanh(slots.layer(t))
@@ -416,8 +437,11 @@ REACH_PATHS = (
     "the module itself", "a partial of an object of the user's", "a list in a list in a closure",
     "an object's dict in a closure", "an object's method", "a callable object", "a callable object in a closure",
     "an object's property in a closure",
-    "an object in a namespace in a closure", "a slot in a closure",
+    "an object in a namespace in a closure", "an object handed to a helper in a closure", "an object iterated in a closure",
+    "a slot in a closure",
 )
+#: the paths where an object of the user's holds the spare module too
+_HOLD_THE_SPARE = frozenset(REACH_PATHS) - {"the module itself", "a list in a list in a closure"}
 
 
 def _step_between_forward_and_backward(checkpoint, use_reentrant, path, stepped="the block's"):
@@ -495,11 +519,21 @@ def test_a_train_eval_switch_is_replayed_by_fallback_whichever_way_the_block_rea
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointCompositionWarning)  # fallback says what it replays
         assert_all_close(run_guarded(probe, use_reentrant, "fallback"), reference)
-    # a module the block never runs switched (an object of the user's holds it): quiet, the plain numbers
-    quiet = functools.partial(probe, switched="another module's")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CheckpointCompositionWarning)
-        assert_all_close(run_guarded(quiet, use_reentrant, "strict"), quiet(no_checkpoint, use_reentrant))
+    # a module the block never runs switched: quiet where the block cannot reach it; where an object of the
+    # user's holds it, CKG106 counts it (conservative: the object may be handed to code that runs it), and
+    # fallback's replay of the forward's modes gives the plain numbers
+    other = functools.partial(probe, switched="another module's")
+    if path in _HOLD_THE_SPARE:
+        with pytest.raises(CheckpointCompositionError) as info:
+            run_guarded(other, use_reentrant, "strict")
+        assert info.value.rule.id == "CKG106"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointCompositionWarning)
+            assert_all_close(run_guarded(other, use_reentrant, "fallback"), other(no_checkpoint, use_reentrant))
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CheckpointCompositionWarning)
+            assert_all_close(run_guarded(other, use_reentrant, "strict"), other(no_checkpoint, use_reentrant))
 
 
 def _reentrant_without_an_input_requiring_grad(checkpoint, use_reentrant, path, trainable=True):

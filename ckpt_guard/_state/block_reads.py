@@ -21,10 +21,12 @@ the function:
   in part;
 * behind an object of the user's held that way (a config, a trainer, the owner
   of a method, the block itself as a callable object): the attributes the code
-  holding it names (``cfg.layers["k"]``: ``layers``), and those named by each
-  method or property of its class so named (``self.generate`` → ``self.G``),
-  :func:`names_read`; a ``__slots__`` object's slots alike.  A module found
-  there may be used only in part.
+  holding it names, or the code of the helpers it calls (``cfg.layers["k"]``:
+  ``layers``; :func:`reach_names`), and those named by each method or property
+  of its class so named (``self.generate`` → ``self.G``; its special methods
+  where it is used whole), :func:`names_read`; a ``__slots__`` object's slots
+  alike; every attribute where the code reads one by a computed name.  A module
+  found there may be used only in part.
 
 That is the *direct* view (``Reads.whole``, ``partial``, ``tensors``): what
 the call-time rules CKG003 / CKG006 and CKG108 count, so that a block is not
@@ -285,6 +287,34 @@ def uses_itself(code: types.CodeType) -> bool:
     return False
 
 
+#: how many functions of the user's :func:`reach_names` reads the code of
+REACH_NAMES_LIMIT = 16
+
+
+def reach_names(function: types.FunctionType) -> frozenset:
+    """What ``function``'s code names (:func:`method_names`), and the code of each function of the user's it
+    holds (closure cells, defaults, globals; a partial's or a bound method's function), in turn: an object it
+    hands on to a helper (``lambda t: run(cfg, t)``, ``run`` reading ``cfg.layer``) is read by the helper's
+    names.  Up to :data:`REACH_NAMES_LIMIT` functions."""
+    names: set = set()
+    todo, done = [function], set()
+    while todo and len(done) < REACH_NAMES_LIMIT:
+        current = todo.pop()
+        if current.__code__ in done:
+            continue
+        done.add(current.__code__)
+        names |= method_names(current)
+        try:
+            held = list(_referenced(current))
+        except Exception:  # noqa: BLE001 - a function whose attributes cannot be read: its own names only
+            continue
+        for value in held:
+            helper = function_of(value) if isinstance(value, (types.FunctionType, functools.partial, MethodType)) else None
+            if helper is not None and (getattr(helper, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
+                todo.append(helper)
+    return frozenset(names)
+
+
 def method_names(function: types.FunctionType) -> frozenset:
     """What a method's code names, ``__call__`` too where it uses its ``self`` whole (``self(h)``)."""
     code = function.__code__
@@ -295,8 +325,26 @@ def method_names(function: types.FunctionType) -> frozenset:
 _COMPUTED_READS = frozenset({"getattr", "vars", "__dict__", "__getattribute__", "attrgetter"})
 #: the names to read an object by where no code says which (every attribute, and its ``__call__``)
 EVERY_NAME = frozenset({"__dict__", "__call__"})
-#: what code holding an object of the user's may run of it without naming anything: ``obj(h)``
+#: what code holding an object of the user's may run of it without naming anything (``obj(h)``, ``for m
+#: in obj``, ``obj[k]``): :func:`names_read` reads ``__call__`` as the object used whole, its special methods
 CALLED = frozenset({"__call__"})
+
+
+#: special methods that make, show, copy or compare an object, not what using it computes
+_NOT_RUN_BY_USE = frozenset({
+    "__init__", "__new__", "__init_subclass__", "__del__", "__repr__", "__str__", "__format__", "__reduce__",
+    "__reduce_ex__", "__getstate__", "__setstate__", "__copy__", "__deepcopy__", "__setattr__", "__delattr__",
+    "__set_name__", "__class_getitem__", "__post_init__", "__hash__", "__eq__", "__ne__", "__sizeof__", "__dir__",
+    "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__", "__annotations__",
+    "__getattribute__", "__getattr__",  # (a Python one of the class's makes every attribute read: names_read)
+})
+
+
+def _runs_implicitly(name: str) -> bool:
+    """Whether the special method ``name`` may run where code uses an object whole (``obj(h)``,
+    ``for m in obj``, ``obj[k]``, ``obj + h``, ``with obj:``): a dunder that is not construction,
+    display, copying or comparison."""
+    return name.startswith("__") and name.endswith("__") and name not in _NOT_RUN_BY_USE
 
 
 @dataclass(frozen=True)
@@ -324,6 +372,8 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
     for klass in reversed(cls.__mro__):
         if (getattr(klass, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
             members.update(vars(klass))
+    if "__call__" in names:  # used whole (called, iterated, indexed, added to): its special methods may run
+        names = names | {name for name in members if _runs_implicitly(name)}
     found, methods, done = set(names), [], set()
     todo = [members[name] for name in names if name in members]
     while todo:
@@ -417,12 +467,9 @@ def reads_of(function: Any) -> Reads:
             if id(obj) in seen:
                 continue
             seen.add(id(obj))
-            # the names the code holding what is queued here names (the direct view follows those
-            # attributes of an object of the user's it holds); none in the complete view
-            names = None
-            if not is_deep and look_into:
-                held_by = function_of(obj)
-                names = code_names(held_by.__code__) if held_by is not None else None
+            # the code holding what is queued here: the direct view follows the attributes it names of an
+            # object of the user's it holds (none in the complete view)
+            holder = function_of(obj) if not is_deep and look_into else None
             try:
                 if isinstance(obj, Module):
                     found["deep" if is_deep else ("whole" if run_whole else "partial")].append(obj)
@@ -432,7 +479,7 @@ def reads_of(function: Any) -> Reads:
                     # the function runs as its own; what is bound may be used only in part (a module,
                     # or one in a list or dict bound there), an object of the user's is walked as a held one
                     todo.append((obj.func, run_whole, True))
-                    unseen = _queue_held((*obj.args, *obj.keywords.values()), todo, deeper, budget, names)
+                    unseen = _queue_held((*obj.args, *obj.keywords.values()), todo, deeper, budget, holder)
                     deep_unseen = deep_unseen or unseen
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif type(obj) is MethodType:
@@ -447,13 +494,13 @@ def reads_of(function: Any) -> Reads:
                             else:  # the attributes its code names (a trainer's G, not its D), then all
                                 function_ = function_of(obj)
                                 if function_ is not None:
-                                    todo.append((_Named(owner, method_names(function_)), False, False))
+                                    todo.append((_Named(owner, reach_names(function_)), False, False))
                                 direct_unseen = True
                                 deeper.append((owner, False, True))
                         todo.append((obj.__func__, False, look_into))
                 elif look_into and isinstance(obj, types.FunctionType):
                     held = _referenced(obj)
-                    unseen = _queue_held(held, todo, deeper, budget, names)
+                    unseen = _queue_held(held, todo, deeper, budget, holder)
                     deep_unseen = deep_unseen or unseen
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif look_into and is_users_object(obj):  # an object of the user's: its attributes, and its __call__
@@ -486,16 +533,17 @@ def _follow_named(reached: _Named, todo: list, deeper: list, budget: list) -> bo
     owner = reached.owner
     reads = names_read(type(owner), reached.names)
     todo.extend((method, False, True) for method in reads.methods)
-    return _queue_held(attribute_values(owner, reads), todo, deeper, budget, reads.names)
+    return _queue_held(attribute_values(owner, reads), todo, deeper, budget, names=reads.names)
 
 
-def _queue_held(values: Any, todo: list, deeper: list, budget: list, names: Any = None) -> bool:
+def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any = None, names: Any = None) -> bool:
     """Queue what a function or an object holds; True if some of it cannot be seen.
 
     Modules and tensors go on ``todo`` (the tier of the holder); functions and
-    objects of the user's on ``deeper`` (the complete view only).  With
-    ``names`` (the direct view), an object of the user's goes on ``todo`` too,
-    for the attributes of it that the holder's code names (:func:`_follow_named`).
+    objects of the user's on ``deeper`` (the complete view only).  In the direct
+    view, an object of the user's goes on ``todo`` too, for the attributes of it
+    that ``names`` name, or the code of the function ``holder`` reaches
+    (:func:`reach_names`, read once an object is found): :func:`_follow_named`.
     """
     unseen = False
     for value in values:
@@ -510,8 +558,10 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, names: Any 
                 todo.append((v, False, False))
             else:
                 deeper.append((v, False, True))
-                if names is not None and is_users_object(v):  # (``obj(h)`` names nothing: its __call__ too)
-                    todo.append((_Named(v, names | CALLED), False, False))
+                if (names is not None or holder is not None) and is_users_object(v):
+                    if names is None:
+                        names = reach_names(holder)
+                    todo.append((_Named(v, names | CALLED), False, False))  # (``obj(h)`` names nothing: __call__)
     return unseen
 
 

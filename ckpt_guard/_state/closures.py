@@ -17,14 +17,13 @@ import contextlib
 import functools
 import itertools
 import types
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
 from .basics import Module
 from .block_reads import (
-    CALLED, EVERY_NAME, LIBRARY_ROOTS, attribute_values, code_names, function_of, global_names, is_users_object, method_names,
-    names_read,
+    EVERY_NAME, LIBRARY_ROOTS, attribute_values, global_names, is_users_object, method_names, names_read,
 )
 
 
@@ -244,7 +243,9 @@ def reached_modules(function: object) -> list:
 
     What its closure cells, default arguments and globals hold, and, up to
     :data:`REACH_DEPTH` steps, what the functions, bound methods, partials,
-    lists, tuples, dicts and objects of the user's they hold hold in turn.
+    lists, tuples, dicts and objects of the user's they hold hold in turn (an
+    object's every attribute, its slots, its class's modules, and the special
+    methods using it runs: ``__call__``, ``__iter__``...).
     The same reach as the complete view of :func:`~.block_reads.reads_of`
     (by its rules of what cannot hide a module: torch's and Python's own
     functions and objects), bounded in depth and width instead of by a
@@ -254,50 +255,43 @@ def reached_modules(function: object) -> list:
     found: dict = {}
     seen: set = set()
 
-    def visit(value: object, depth: int, names: Optional[frozenset] = None) -> None:
-        # ``names``: what the code holding ``value`` names, the attributes of an object of the user's
-        # it may read (a trainer's ``self.G``, not its ``self.D``: block_reads.names_read)
+    def visit(value: object, depth: int) -> None:
         if isinstance(value, Module):
             found.setdefault(id(value), value)
             return
         kind = type(value)
-        if depth <= 0 or kind in _SCALARS or kind is torch.Tensor:
+        if depth <= 0 or kind in _SCALARS or kind is torch.Tensor or id(value) in seen:
             return
-        users = is_users_object(value)
-        key = (id(value), names) if users else id(value)
-        if key in seen:
-            return
-        seen.add(key)
+        seen.add(id(value))
         if kind is types.MethodType:
-            function = value.__func__  # a bound method is its function, and its object as the function reads it
-            visit(function, depth)
-            visit(value.__self__, depth, method_names(function) if type(function) is types.FunctionType else None)
+            visit(value.__self__, depth)  # a bound method is its object, and its function
+            visit(value.__func__, depth)
         elif kind is types.FunctionType:
             if (getattr(value, "__module__", None) or "").split(".")[0] in LIBRARY_ROOTS:
                 return  # torch's or Python's own: holds no module of the user's
-            held_names = code_names(value.__code__)
             for item in _held_by_function(value):
-                visit(item, depth - 1, held_names)
+                visit(item, depth - 1)
         elif kind is functools.partial:
-            runs = function_of(value)
-            held_names = code_names(runs.__code__) if runs is not None else None
-            visit(value.func, depth - 1)
-            for item in (*value.args, *value.keywords.values()):
-                visit(item, depth - 1, held_names)
+            for item in (value.func, *value.args, *value.keywords.values()):
+                visit(item, depth - 1)
         elif kind is list or kind is tuple:
             for item in value[:REACH_ITEMS]:
-                visit(item, depth - 1, names)
+                visit(item, depth - 1)
         elif kind is dict:
             for item in itertools.islice(value.values(), REACH_ITEMS):
-                visit(item, depth - 1, names)
-        elif users:  # the attributes the code names, read past any __getattr__ of its class; all without code
-            reads = names_read(kind, EVERY_NAME if names is None else names | CALLED)
+                visit(item, depth - 1)
+        elif is_users_object(value):
+            # every attribute (read past any __getattr__ of its class), a __slots__ object's slots, and the
+            # special methods using it runs (__call__, __iter__, ...): not only those the block's code names,
+            # as CKG108's direct view does (block_reads), for the object may be handed to a helper or a
+            # module's forward that names the rest; so a spare module it holds counts too (conservative)
+            reads = names_read(kind, EVERY_NAME)
             for method in reads.methods:
                 visit(method, depth - 1)
             for item in itertools.islice(attribute_values(value, reads), REACH_ITEMS):
-                visit(item, depth - 1, reads.names)
+                visit(item, depth - 1)
 
-    visit(function, REACH_DEPTH + 1, CALLED)  # a callable object: what its __call__ names
+    visit(function, REACH_DEPTH + 1)
     return list(found.values())
 
 
