@@ -30,6 +30,7 @@ from ._exceptions import CheckpointCompositionWarning
 from ._drift_kinds import TRANSFORMS_RULE
 from ._rules import FIX_MOVE, GRAD_TRANSFORMS, Rule
 from ._state import block_reads as _reads
+from ._state.peel import peel as _peel
 
 
 # --------------------------------------------------------------------------
@@ -86,8 +87,7 @@ def describe_checkpointed(function: Any, frame: Optional[FrameType] = None, root
         return f"checkpoint_sequential segment {span} (in {type(first[0]).__name__})"
     reads = _reads.reads_of(function)
     modules = reads.whole or reads.partial
-    while isinstance(function, functools.partial):  # transformers: partial(layer.__call__, **kwargs)
-        function = function.func
+    function = _peel(function)  # transformers: partial(layer.__call__, **kwargs); the guard's recorder
     name = _reads.attribute(function, "__qualname__")  # (never the user's error: _reads' BROKEN instead)
     named = f"function {name}" if isinstance(name, str) else f"a {type(function).__name__} object"
     if not modules:

@@ -20,6 +20,7 @@ from . import shapes as _shapes
 from . import counters
 from . import later_writes as _later_writes
 from .. import _state
+from .._state.peel import function_of
 from .basics import Tensor, _base, _carries_gradient
 from . import function as _function  # noqa: F401 - importing it sets levels.FUNCTION
 from .plan import Plan
@@ -162,7 +163,7 @@ def _reverse_mode_possible(args: tuple, kwargs: dict, held: _rebind.Holdings) ->
 def _global_names(function: Any, tensor: Tensor) -> str:
     """``W``, ``W, W2`` or ``Holder.w``: the module-level names (or a class's or a namespace's attribute
     held there) the block's code reads ``tensor`` through, for messages."""
-    code_owners = [function, getattr(function, "func", None), getattr(getattr(function, "forward", None), "__func__", None)]
+    code_owners = [function, function_of(function), getattr(getattr(function, "forward", None), "__func__", None)]
     names: list = []
     for owner in code_owners:
         namespace = getattr(owner, "__globals__", None)

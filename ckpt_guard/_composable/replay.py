@@ -22,6 +22,7 @@ from torch._C._functorch import get_interpreter_stack as _get_interpreter_stack
 
 from . import binding as _rebind
 from .. import _config, _state
+from .._state.peel import peel
 from .basics import RANDOMNESS_NAMES, VMAP_KEY, Tensor
 from .refusals import Reason
 
@@ -199,8 +200,8 @@ _push_scope, _pop_scope, _PLAIN = _config.push_scope, _config.pop_scope, _config
 
 
 def _compiled(function: Any) -> bool:
-    """A ``torch.compile``'d function or module (the function itself, or bound in a partial)."""
-    function = getattr(function, "func", function)
+    """A ``torch.compile``'d function or module (the function itself, or in a partial: :func:`peel`)."""
+    function = peel(function)
     return hasattr(function, "_torchdynamo_orig_callable") or hasattr(function, "_orig_mod")
 
 

@@ -18,6 +18,7 @@ one) and names it in its rule record (``read=``, ``render=``), and nothing else:
 ``contents``       containers and user generators the block is given (CKG112/113)
 ``call``           the call-time :class:`CallState` the call rules read
 ``block_reads``    what a function reads, found without running it
+``peel``           what a checkpointed callable runs past its partials and wrappers
 =================  ==========================================================
 
 This package's ``__init__`` only gathers the names the decision, the words and the

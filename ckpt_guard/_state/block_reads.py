@@ -71,6 +71,8 @@ from typing import Any, Iterator, List, Tuple
 
 import torch
 
+from .peel import function_of
+
 Module = torch.nn.Module
 Tensor = torch.Tensor
 
@@ -430,13 +432,6 @@ class _Named:
 
     def __init__(self, owner: Any, names: frozenset):
         self.owner, self.names = owner, names
-
-
-def function_of(callable_: Any) -> Any:
-    """The Python function a partial or a bound method runs (itself if it is one); None if none."""
-    while isinstance(callable_, functools.partial) or type(callable_) is MethodType:
-        callable_ = callable_.func if isinstance(callable_, functools.partial) else callable_.__func__
-    return callable_ if isinstance(callable_, types.FunctionType) else None
 
 
 def reads_of(function: Any) -> Reads:

@@ -27,7 +27,7 @@ from .basics import (
 )
 from .modes import _infrastructure_classes
 from .modules import (
-    _block_module, _block_structure, _mode_dependent_classes, _snapshots, _structure, block_snapshot as _block_snapshot,
+    block_module, _block_structure, _mode_dependent_classes, _snapshots, _structure, block_snapshot as _block_snapshot,
     root_hooks_run_inside,
 )
 from .transforms import transform_stack
@@ -68,7 +68,7 @@ def rrelu_training(function: object, early_stop: bool = True) -> bool:
     partial of either): this runs on every non-reentrant call, so it reads
     the block's cached structure (the RReLU modules found once).
     """
-    function = _block_module(function)
+    function = block_module(function)
     if not isinstance(function, Module):
         return False
     rrelus = _structure(function).rrelus
@@ -101,7 +101,7 @@ def grad_sample_hooked(function: object, hooks: object = None) -> bool:
     found = [i // 2 for i in range(1, len(hooks), 2) if any(map(_takes_grad_samples, hooks[i].values()))]
     if not found:
         return False
-    block = _block_module(function)
+    block = block_module(function)
     if not isinstance(block, Module):
         return False
     modules = _structure(block).modules(block)

@@ -25,6 +25,7 @@ from .basics import Module
 from .block_reads import (
     EVERY_NAME, LIBRARY_ROOTS, attribute_values, global_names, is_users_object, method_names, names_read,
 )
+from .peel import peel
 
 
 #: how many functions a closure's cells lead to are followed for what they hold: ``lambda h:
@@ -97,17 +98,8 @@ def object_slots(block: object, with_globals: bool = True) -> list:
     its function's cells and globals (:func:`closure_cells`), then each attribute of the object its code
     names that the object holds (an :class:`AttributeSlot` each: ``self.calls += 1``, ``self.scale``);
     [] for anything else.  Its modules are :func:`reached_modules`' (their own snapshots)."""
-    while True:  # the guard's recorder: a partial of a method bound to the user's block
-        kind = type(block)
-        if kind is functools.partial:
-            block = block.func
-        elif kind is types.MethodType and (
-            isinstance(block.__self__, (types.FunctionType, types.MethodType, functools.partial))
-            or (getattr(block.__func__, "__module__", None) or "").startswith("ckpt_guard.")
-        ):  # (a method of the guard's bound to the user's block: the block is what it runs)
-            block = block.__self__
-        else:
-            break
+    block = peel(block)  # (the guard's recorder too: a partial of its method bound to the user's block)
+    kind = type(block)
     if kind is types.MethodType:
         function, instance = block.__func__, block.__self__
     elif kind is types.FunctionType or isinstance(block, Module) or not is_users_object(block):
@@ -203,10 +195,7 @@ def globals_read(function: object) -> list:
     """``[(slot, value)]``: each global a function block (or a partial or bound method of one) loads,
     its helpers' too (see :func:`closure_cells`), and each attribute of a plain object whose method (or
     ``__call__``) the block is that its code names (:func:`object_slots`), with its value now."""
-    while type(function) is functools.partial or (
-        type(function) is types.MethodType and isinstance(function.__self__, (types.FunctionType, functools.partial))
-    ):
-        function = function.func if type(function) is functools.partial else function.__self__
+    function = peel(function)
     if type(function) is types.MethodType and isinstance(function.__self__, Module):
         function = function.__func__  # a module's method: the globals its code loads (its tensors are bound)
     return [(slot, slot.cell_contents) for slot, _ in block_slots(function) if type(slot) is not types.CellType]

@@ -23,7 +23,7 @@ import torch
 from . import block_reads as _reads
 from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
 from .closures import closure_cells, object_slots
-from .modules import _block_module, _structure, module_containers_seen, module_generators_seen, snapshot_roots
+from .modules import block_module, _structure, module_containers_seen, module_generators_seen, snapshot_roots
 
 
 # --------------------------------------------------------------------------
@@ -606,7 +606,7 @@ def is_user_generator(generator: object) -> bool:
 def _module_generators(function: object, given: Sequence[Module] = ()) -> list:
     """``[(label, generator)]`` held by the block's module (itself, its bound method, a partial of
     either) or by a module it is given (an argument, a closure cell, what a partial binds)."""
-    block = _block_module(function)
+    block = block_module(function)
     modules = [block] if isinstance(block, Module) and module_generators_seen[0] else []
     modules += [m for m in given if m is not block]
     found = []

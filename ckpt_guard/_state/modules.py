@@ -24,6 +24,7 @@ from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents
 from .block_reads import code_names
 from .closures import block_slots, closure_cells, object_slots, reached_modules
+from .peel import innermost_partial, peel
 
 
 # --------------------------------------------------------------------------
@@ -183,7 +184,7 @@ def _refresh_all(function: object, recorded: object) -> None:
             if type(tensors) is InForward:
                 _refresh(module, tensors)
     elif type(recorded) is InForward:
-        block = _block_module(function)
+        block = block_module(function)
         if isinstance(block, Module):
             _refresh(block, recorded)
 
@@ -272,17 +273,16 @@ def _structure(module: Module) -> _Structure:
     return entry
 
 
-def _block_module(function: object) -> object:
-    """The module a call runs (itself, behind a bound method or a partial of either), else the function."""
-    while True:  # the guard's recorder is a partial of a method bound to the user's block
-        if type(function) is functools.partial:
-            function = _partial_target(function)
-        elif type(function) is _MethodType and isinstance(
-            function.__self__, (Module, types.FunctionType, _MethodType, functools.partial)
-        ):
-            function = function.__self__
-        else:
-            return function
+def block_module(function: object) -> object:
+    """The module a call runs (itself, behind a bound method or a partial of either, ``partial(forward,
+    module)``), else what it runs past its wrappers (:func:`~.peel.peel`)."""
+    runs = peel(function)
+    if type(runs) is _MethodType and isinstance(runs.__self__, Module):
+        return runs.__self__
+    last = innermost_partial(function)
+    if last is not None and runs is last.func:  # partial(forward, module): the module
+        return _partial_target(last)
+    return runs
 
 
 _CALLS = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
@@ -347,10 +347,9 @@ def block_snapshot(function: object) -> tuple:
     same object compares equal without looking at it; one that is another
     tensor cannot be compared (:func:`differs` says so).
     """
-    kind, given = type(function), function  # _block_module inlined: this runs on every checkpoint call
-    while kind is functools.partial or kind is _MethodType:  # the guard's recorder wraps one in another
-        function = _partial_target(function) if kind is functools.partial else function.__self__
-        kind = type(function)
+    given = function
+    function = block_module(function)  # (past the guard's recorder too)
+    kind = type(function)
     if isinstance(function, Module):
         entry = _block_structure.get(id(function))
         if entry is None or entry.ref() is not function:
@@ -438,7 +437,7 @@ def modules_in_snapshot(bindings: object) -> Optional[list]:
 def snapshot_roots(function: object) -> list:
     """The modules whose snapshots the block's is made of: its module (itself, its bound method, a
     partial of either), or each module its closure's cells hold (see :func:`_closure_snapshot`)."""
-    block = _block_module(function)
+    block = block_module(function)
     # closure_held peels the partial itself: given the peeled function, it would not see what a partial
     # binds (``partial(run, cfg)`` with ``cfg.layers["k"]``), which the snapshot reached from the call's
     return [block] if isinstance(block, Module) else closure_held(function)
@@ -459,10 +458,9 @@ def snapshot_modules(function: object) -> list:
 def closure_held(function: object) -> list:
     """The modules a function block (or a plain object's method) reaches whose snapshot it takes, as
     :func:`block_snapshot` finds them (see :func:`_closure_snapshot`)."""
-    kind, given = type(function), function
-    while kind is functools.partial or kind is _MethodType:
-        function = _partial_target(function) if kind is functools.partial else function.__self__
-        kind = type(function)
+    given = function
+    function = block_module(function)
+    kind = type(function)
     if isinstance(function, Module):
         return []
     if kind is types.FunctionType and function.__closure__:
@@ -526,7 +524,7 @@ def rebound(was: object, function: object, hooks: bool = False) -> list:
     forward's dict), or "new" (an entry the forward did not have: nothing
     to replay).
     """
-    block = _block_module(function)
+    block = block_module(function)
     if not isinstance(block, Module):
         reached = block_slots(block)
         held: list = []
@@ -575,7 +573,7 @@ def describe_bindings(value: object) -> str:
 def _module_paths(function: object) -> dict:
     """``{id(module): where the block reaches it}``, for messages: ``fc1`` in the checkpointed module
     (or its bound method), ``self.fc1`` through a closure's ``self``, ``""`` for the block itself."""
-    block = _block_module(function)
+    block = block_module(function)
     if isinstance(block, Module):
         roots = [("", block)]
     else:
@@ -873,7 +871,7 @@ def describe_attributes(value: object) -> str:
 
 def describe_forward_change(was: tuple, now: tuple, function: object = None) -> str:
     """CKG116's change line: ``fc1 (Linear): forward replaced on the instance → its class's forward``."""
-    block = _block_module(function)
+    block = block_module(function)
     modules = _structure(block).modules(block) if isinstance(block, Module) else []
     paths = _module_paths(function)
     parts = []

@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from .basics import Module
-from .modules import _block_module, _structure, closure_held, modules_in_snapshot
+from .modules import block_module, _structure, closure_held, modules_in_snapshot
 
 Kept = List[Tuple[Module, str, torch.Tensor]]
 
@@ -39,7 +39,7 @@ def kept_buffers(function: object, training: Optional[tuple], bindings: object =
     """
     if not training or not any(training):
         return None
-    block = _block_module(function)
+    block = block_module(function)
     if not isinstance(block, Module):  # a closure: each module it holds, its part of the flags in turn
         kept_all: Kept = []
         start = 0
