@@ -759,22 +759,19 @@ def _probe_function_mode(ckpt, use_reentrant):
 
 
 def _probe_vmap_closure(ckpt, use_reentrant):
-    """vmap forward over a checkpointed block whose parameters hide in an object, backward outside."""
+    """vmap forward over a checkpointed block whose parameters hide in a container, backward outside."""
+    import collections
+
     import torch
     from torch.func import vmap
 
-    class Weights:  # an object the guard cannot look into at call time (no __dict__)
-        __slots__ = ("w",)
-
-        def __init__(self):
-            self.w = torch.randn(3, 3, requires_grad=True)
-
     torch.manual_seed(0)
-    weights = Weights()
+    w = torch.randn(3, 3, requires_grad=True)
+    store = collections.deque([w])  # a container the call-time rules do not look into (not a list, tuple or dict)
     x = torch.randn(4, 3)
-    y = vmap(lambda t: ckpt(lambda u: torch.tanh(u @ weights.w), t, **_variant_kwargs(use_reentrant)))(x)
+    y = vmap(lambda t: ckpt(lambda u: torch.tanh(u @ store[0]), t, **_variant_kwargs(use_reentrant)))(x)
     y.sum().backward()
-    return [y.detach(), *_grads(weights.w)]
+    return [y.detach(), *_grads(w)]
 
 
 def _probe_default_dtype(ckpt, use_reentrant):

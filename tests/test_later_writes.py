@@ -452,6 +452,41 @@ def test_a_row_of_a_larger_buffer_is_copied_at_the_call(transform, saves, writer
     )
 
 
+#: views of a (6, 4) buffer a call may read: a row (copied at the call), and views with gaps (kept as they are)
+VIEWS = {
+    "a row": lambda buf: buf[1],
+    "a column": lambda buf: buf[:, 1],
+    "every third row": lambda buf: buf[::3],
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+@pytest.mark.parametrize("transform", ["grad", "vmap(grad)", "jvp, then .backward()"])
+def test_what_a_block_reads_of_its_view_is_the_plain_programs(transform, view):
+    """The row's copy is laid out as the row (a review found a copy of a view with gaps made contiguous: a
+    block branching on ``is_contiguous()`` or reading its strides took the other branch, silently), and a
+    row holding NaN is the same row at the recompute (a value comparison had NaN unequal to itself and
+    refused with ChangedSinceForward)."""
+    def block(t):
+        scale = 2.0 if t.is_contiguous() else 3.0  # a block reading its input's layout
+        return torch.exp(0.1 * t) * scale + float(t.stride()[0])
+
+    def loss(x):
+        buf = torch.cat([x @ W1, torch.zeros(3, 4, dtype=DTYPE)])
+        buf = buf.index_put((torch.tensor([1, 3]), torch.tensor([3, 2])), torch.tensor(float("nan"), dtype=DTYPE))
+        total = 0
+        for _ in range(2):
+            total = total + ck(block, VIEWS[view](buf)).nan_to_num().sum()
+        return total
+
+    for ck in (lambda f, *a: f(*a), ckpt_guard.checkpoint):
+        with _installed("strict"):
+            got = TRANSFORMS[transform](loss)
+        if ck is not ckpt_guard.checkpoint:
+            reference = got
+    torch.testing.assert_close(got, reference)
+
+
 @pytest.mark.skipif(_composable.basics._is_cow is None, reason="this torch cannot say whether a storage is copy-on-write")
 def test_a_loop_over_the_rows_of_a_buffer_never_copies_the_buffer():
     """The row's copy is the row's size: the buffer itself is never made copy-on-write, so a write into it

@@ -614,6 +614,71 @@ class _GanTrainer:
         return torch.tanh(self.G(z))
 
 
+class _GanTrainerWithNets:
+    """A trainer keeping its networks in a dict (``self.nets["G"]``) or a list (``self.nets[0]``)."""
+
+    def __init__(self, nets):
+        self.nets = nets
+
+    def generate_from_dict(self, z):
+        return torch.tanh(self.nets["G"](z))
+
+    def generate_from_list(self, z):
+        return torch.tanh(self.nets[0](z))
+
+
+def test_the_items_a_block_reads_of_an_objects_container():
+    """Behind an object of the user's, a dict or list its block subscripts with constants counts only the items
+    read; any other way of reading items (a computed key, a loop, ``.values()``, a slice, ``sum`` over it)
+    counts every item."""
+    from ckpt_guard._state.block_reads import reads_of
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    config, key = _Config({"a": a, "b": b}), "a"
+    blocks = {
+        'config.layers["a"]': (lambda t: config.layers["a"](t), {a}),
+        "config.layers[key]": (lambda t: config.layers[key](t), {a, b}),
+        "a loop": (lambda t: [m(t) for m in config.layers.values()][0], {a, b}),
+        "sum over it": (lambda t: sum(map(lambda m: m(t), config.layers.values())), {a, b}),
+    }
+    listed = _Config([a, b])
+    blocks["listed.layers[-1]"] = (lambda t: listed.layers[-1](t), {b})
+    blocks["listed.layers[:1]"] = (lambda t: listed.layers[:1][0](t), {a, b})
+    blocks["sum(listed.layers)"] = (lambda t: sum(listed.layers, t), {a, b})  # (no subscript: any item)
+    for name, (block, expected) in blocks.items():
+        assert set(reads_of(block).modules) == expected, name
+
+
+@pytest.mark.parametrize("nets", ["a dict", "a list"])
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_a_discriminator_step_is_not_the_generator_blocks_drift_whatever_holds_the_nets(nets, policy):
+    """The GAN step again, the trainer holding G and D in a dict or a list that its block subscripts with a
+    constant: only the item read counts (a review found CKG108 raising here once the direct view looked
+    behind objects).  Stepping G is still caught."""
+
+    def step(checkpoint, use_reentrant, stepped="D"):
+        torch.manual_seed(0)
+        G, D = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 1).double()
+        trainer = _GanTrainerWithNets({"G": G, "D": D} if nets == "a dict" else [G, D])
+        run = trainer.generate_from_dict if nets == "a dict" else trainer.generate_from_list
+        optimizer = torch.optim.SGD((D if stepped == "D" else G).parameters(), lr=0.1)
+        fake = checkpoint(run, torch.randn(4, 3, dtype=torch.float64), use_reentrant=use_reentrant)
+        for p in (*G.parameters(), *D.parameters()):
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        G.zero_grad()
+        (-D(fake).mean()).backward()
+        return [G.weight.grad, G.bias.grad]
+
+    reference = step(no_checkpoint, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointCompositionWarning)
+        assert_all_close(run_guarded(step, False, policy), reference)
+    with pytest.raises(CheckpointCompositionError) as info:  # G stepped: the block's own module moved
+        run_guarded(functools.partial(step, stepped="G"), False, policy)
+    assert info.value.rule.id == "CKG108"
+
+
 @pytest.mark.parametrize("block", ["a closure over the trainer", "the trainer's method", "a partial of the trainer"])
 @pytest.mark.parametrize("policy", ["strict", "fallback"])
 def test_a_discriminator_step_is_not_the_generator_blocks_drift(block, policy):

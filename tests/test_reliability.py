@@ -110,7 +110,7 @@ class _KeyErrorOnAttributes:
 
 @pytest.mark.parametrize("policy", ["strict", "warn", "fallback"])
 def test_a_callable_whose_getattr_raises_is_not_the_guards_problem(policy):
-    block = torch.nn.Linear(3, 3)
+    block = torch.nn.Linear(3, 3).requires_grad_(False)  # frozen: no rule fires, the walk runs all the same
     function = _KeyErrorOnAttributes(block)
     from ckpt_guard._state import block_reads as _reads
 
@@ -121,6 +121,12 @@ def test_a_callable_whose_getattr_raises_is_not_the_guards_problem(policy):
         for use_reentrant in (True, False):
             out = _quietly(lambda: checkpoint(function, x, use_reentrant=use_reentrant))
             torch.testing.assert_close(out, block(x))
+    # trainable, reentrant: CKG006 sees the Linear its __call__ runs and speaks (the guard's error, not a KeyError)
+    block.requires_grad_(True)
+    if policy == "strict":
+        with ckpt_guard.policy(policy), pytest.raises(ckpt_guard.CheckpointCompositionError) as info:
+            checkpoint(function, x, use_reentrant=True)
+        assert info.value.rule.id == "CKG006"
 
 
 def test_the_words_for_a_callable_whose_getattr_raises_are_the_guards():

@@ -17,7 +17,9 @@ the Function must keep what the call saw, and say what autograd says where it sa
   where the call's inputs span more than half of it together (``q, k, v = qkv.split(d, -1)``);
   a row of a larger buffer is copied at the call instead, the row only
   (:func:`_small_part_of_its_storage`): a copy on write of it would copy the whole buffer at
-  each write.
+  each write.  A view with gaps (a column, ``buf[::3]``) is not: its copy would be laid out
+  otherwise (a block may branch on ``is_contiguous()`` or read its strides), so a write after
+  the call stays autograd's error there.
   The copy is a node of its own in the graph: in a second backward (reverse over reverse) the
   gradient reaching it waits in a buffer of its own before joining the caller's tensor's,
   one input-sized buffer more at the peak where the input is an uncheckpointed block's output
@@ -100,6 +102,9 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
             clone = t.clone() if small else _copy_on_write(t)
         except Exception:  # noqa: BLE001 - a tensor torch cannot clone so (a subclass, sparse): kept as it is
             continue
+        if small and _base(clone).stride() != base.stride():
+            continue  # a view with gaps (a column): a copy would change its layout, which a block may read
+
         callers.append(Watched(i, base, _version(base)))
         if dual:
             tangent = _tangent_of(t)
@@ -222,8 +227,13 @@ def _small_part_of_its_storage(base: Tensor, together: int) -> bool:
 
 
 def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Equal in shape and value, a NaN equal to a NaN (a row holding NaN is the same row)."""
     with torch._C.DisableTorchFunction():
-        return a.shape == b.shape and bool(torch.equal(a, b))
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.is_floating_point() or a.is_complex():
+            return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
+        return bool(torch.equal(a, b))
 
 
 def _under_vmap() -> bool:

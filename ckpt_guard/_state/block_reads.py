@@ -22,7 +22,7 @@ the function:
 * behind an object of the user's held that way (a config, a trainer, the owner
   of a method, the block itself as a callable object): the attributes the code
   holding it names, or the code of the helpers it calls (``cfg.layers["k"]``:
-  ``layers``; :func:`reach_names`), and those named by each method or property
+  ``layers``; :func:`reach_code`), and those named by each method or property
   of its class so named (``self.generate`` → ``self.G``; its special methods
   where it is used whole), :func:`names_read`; a ``__slots__`` object's slots
   alike; every attribute where the code reads one by a computed name.  A module
@@ -66,7 +66,7 @@ import functools
 import types
 from dataclasses import dataclass
 from types import MethodType
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 
 import torch
@@ -177,7 +177,7 @@ def is_users_object(value: Any) -> bool:
     """Whether ``value`` is an object that might hide modules from the walk."""
     if isinstance(value, HOLDS_NOTHING):
         return False
-    return (type(value).__module__ or "").split(".")[0] not in LIBRARY_ROOTS
+    return _module_root(type(value)) not in LIBRARY_ROOTS
 
 
 #: how deep containers held in containers are looked into (``[[block, head]]``, ``{"stages": [...]}``)
@@ -289,16 +289,18 @@ def uses_itself(code: types.CodeType) -> bool:
     return False
 
 
-#: how many functions of the user's :func:`reach_names` reads the code of
+#: how many functions of the user's :func:`reach_code` reads the code of
 REACH_NAMES_LIMIT = 16
 
 
-def reach_names(function: types.FunctionType) -> frozenset:
-    """What ``function``'s code names (:func:`method_names`), and the code of each function of the user's it
-    holds (closure cells, defaults, globals; a partial's or a bound method's function), in turn: an object it
-    hands on to a helper (``lambda t: run(cfg, t)``, ``run`` reading ``cfg.layer``) is read by the helper's
-    names.  Up to :data:`REACH_NAMES_LIMIT` functions."""
+def reach_code(function: types.FunctionType) -> Tuple[frozenset, Optional[frozenset]]:
+    """``(names, keys)``: what ``function``'s code names (:func:`method_names`) and the constant keys it
+    subscripts with (:func:`subscript_keys`), and the same of each function of the user's it holds (closure
+    cells, defaults, globals; a partial's or a bound method's function), in turn: an object it hands on to
+    a helper (``lambda t: run(cfg, t)``, ``run`` reading ``cfg.layer``) is read by the helper's code.  Up to
+    :data:`REACH_NAMES_LIMIT` functions."""
     names: set = set()
+    keys: Optional[frozenset] = frozenset()
     todo, done = [function], set()
     while todo and len(done) < REACH_NAMES_LIMIT:
         current = todo.pop()
@@ -306,6 +308,7 @@ def reach_names(function: types.FunctionType) -> frozenset:
             continue
         done.add(current.__code__)
         names |= method_names(current)
+        keys = union_keys(keys, subscript_keys(current.__code__))
         try:
             held = list(_referenced(current))
         except Exception:  # noqa: BLE001 - a function whose attributes cannot be read: its own names only
@@ -314,7 +317,46 @@ def reach_names(function: types.FunctionType) -> frozenset:
             helper = function_of(value) if isinstance(value, (types.FunctionType, functools.partial, MethodType)) else None
             if helper is not None and (getattr(helper, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
                 todo.append(helper)
-    return frozenset(names)
+    return frozenset(names), keys
+
+
+#: instructions after which which items of a container are read cannot be told from the code
+_READS_ANY_ITEM = frozenset({
+    "GET_ITER", "FOR_ITER", "BUILD_SLICE", "BINARY_SLICE", "CALL_FUNCTION_EX", "DICT_MERGE", "DICT_UPDATE",
+    "LIST_EXTEND", "UNPACK_SEQUENCE", "UNPACK_EX",
+})
+#: container methods that read items by a key the code computes, or all of them
+_ITEM_METHODS = frozenset({"get", "values", "items", "keys", "pop", "popitem", "setdefault", "__getitem__", "copy"})
+
+
+@functools.lru_cache(maxsize=1024)
+def subscript_keys(code: types.CodeType) -> Optional[frozenset]:
+    """The constant keys ``code`` (and its nested code) subscripts with (``self.nets["G"]``, ``layers[0]``),
+    or None where it may read any item: a computed key, a slice, a loop, an unpacking, a container method
+    (``.values()``, ``.get(k)``), or no subscript at all (``sum(cfg.layers)`` iterates in C)."""
+    keys: set = set()
+    todo = [code]
+    while todo:
+        current = todo.pop()
+        if not _ITEM_METHODS.isdisjoint(current.co_names):
+            return None
+        before = None
+        for instruction in dis.get_instructions(current):
+            name = instruction.opname
+            if name in _READS_ANY_ITEM:
+                return None
+            if name in ("BINARY_SUBSCR", "STORE_SUBSCR", "DELETE_SUBSCR"):
+                if before is None or before.opname != "LOAD_CONST":
+                    return None
+                keys.add(before.argval)
+            before = instruction
+        todo.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    return frozenset(keys) or None
+
+
+def union_keys(a: Optional[frozenset], b: Optional[frozenset]) -> Optional[frozenset]:
+    """Keys read by two pieces of code (None: any)."""
+    return None if a is None or b is None else a | b
 
 
 def method_names(function: types.FunctionType) -> frozenset:
@@ -355,8 +397,8 @@ class ClassReads:
 
     names: frozenset  # the instance attributes it may read
     methods: Tuple[types.FunctionType, ...]  # the class's methods and properties it may run
+    keys: Optional[frozenset]  # the constant keys those methods subscript with (None: any)
     slots: tuple  # the member descriptors of those names (a ``__slots__`` class)
-    class_values: tuple  # class-level values of those names that are not code (a module kept on the class)
     every_attribute: bool  # it reads by a computed name (``getattr``, ``vars``, a ``__getattr__``): all of them
 
 
@@ -377,6 +419,7 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
     if "__call__" in names:  # used whole (called, iterated, indexed, added to): its special methods may run
         names = names | {name for name in members if _runs_implicitly(name)}
     found, methods, done = set(names), [], set()
+    keys: Optional[frozenset] = frozenset()
     todo = [members[name] for name in names if name in members]
     while todo:
         value = todo.pop()
@@ -386,6 +429,7 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
             continue
         done.add(code)
         methods.append(value)
+        keys = union_keys(keys, subscript_keys(code))
         more = method_names(value)
         found |= more
         todo += [members[name] for name in more if name in members]
@@ -393,8 +437,7 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
         type(members.get(hook)) is types.FunctionType for hook in ("__getattr__", "__getattribute__"))
     wanted = members if every else {name: members[name] for name in found if name in members}
     slots = tuple(v for v in wanted.values() if type(v) is types.MemberDescriptorType)
-    data = tuple(v for v in wanted.values() if isinstance(v, (Module, Tensor, list, tuple, dict)))
-    return ClassReads(frozenset(found), tuple(methods), slots, data, every)
+    return ClassReads(frozenset(found), tuple(methods), keys, slots, every)
 
 
 def attribute_values(owner: Any, reads: ClassReads) -> list:
@@ -402,20 +445,31 @@ def attribute_values(owner: Any, reads: ClassReads) -> list:
     its class), its slots' (by their member descriptors), its class's; no user code runs."""
     try:
         attributes = object.__getattribute__(owner, "__dict__")
-    except (AttributeError, TypeError):  # __slots__ only
+    except Exception:  # noqa: BLE001 - __slots__ only, or a __dict__ of the class's that raises
         attributes = None
-    values = []
-    if type(attributes) is dict:
-        if reads.every_attribute:
-            values += attributes.values()
-        else:
-            values += [attributes[name] for name in reads.names if name in attributes]
+    if type(attributes) is not dict:
+        attributes = {}
+    values = list(attributes.values()) if reads.every_attribute else [
+        attributes[name] for name in reads.names if name in attributes]
     for slot in reads.slots:
         try:
             values.append(slot.__get__(owner))
-        except AttributeError:  # an empty slot
+        except Exception:  # noqa: BLE001 - an empty slot
             continue
-    return values + list(reads.class_values)
+    # a module or a tensor the class holds under a name read (looked up now: a class attribute may be
+    # re-bound after names_read cached its answer), from each class's own __dict__ (no metaclass code runs)
+    classes = [vars(klass) for klass in type(owner).__mro__ if _module_root(klass) not in LIBRARY_ROOTS]
+    for name in reads.names:
+        if name not in attributes:
+            held = next((members[name] for members in classes if name in members), None)
+            if isinstance(held, (Module, Tensor, list, tuple, dict)):
+                values.append(held)
+    return values
+
+
+def _module_root(klass: type) -> str:
+    module = getattr(klass, "__module__", None)
+    return module.split(".")[0] if isinstance(module, str) else ""
 
 
 def clear_caches() -> None:
@@ -426,12 +480,13 @@ def clear_caches() -> None:
 
 
 class _Named:
-    """An object of the user's the direct view reached, and the names the code that holds it names."""
+    """An object of the user's the direct view reached, the names the code that holds it names, and the
+    constant keys it subscripts with (None: any)."""
 
-    __slots__ = ("owner", "names")
+    __slots__ = ("owner", "names", "keys")
 
-    def __init__(self, owner: Any, names: frozenset):
-        self.owner, self.names = owner, names
+    def __init__(self, owner: Any, names: frozenset, keys: Optional[frozenset]):
+        self.owner, self.names, self.keys = owner, names, keys
 
 
 def reads_of(function: Any) -> Reads:
@@ -489,7 +544,7 @@ def reads_of(function: Any) -> Reads:
                             else:  # the attributes its code names (a trainer's G, not its D), then all
                                 function_ = function_of(obj)
                                 if function_ is not None:
-                                    todo.append((_Named(owner, reach_names(function_)), False, False))
+                                    todo.append((_Named(owner, *reach_code(function_)), False, False))
                                 direct_unseen = True
                                 deeper.append((owner, False, True))
                         todo.append((obj.__func__, False, look_into))
@@ -500,7 +555,7 @@ def reads_of(function: Any) -> Reads:
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif look_into and is_users_object(obj):  # an object of the user's: its attributes, and its __call__
                     if not is_deep:  # the block itself is one: what its __call__ names, then all
-                        todo.append((_Named(obj, CALLED), False, False))
+                        todo.append((_Named(obj, CALLED, None), False, False))
                     direct_unseen = direct_unseen or not is_deep
                     attributes = attribute(obj, "__dict__")
                     if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
@@ -528,17 +583,32 @@ def _follow_named(reached: _Named, todo: list, deeper: list, budget: list) -> bo
     owner = reached.owner
     reads = names_read(type(owner), reached.names)
     todo.extend((method, False, True) for method in reads.methods)
-    return _queue_held(attribute_values(owner, reads), todo, deeper, budget, names=reads.names)
+    keys = union_keys(reached.keys, reads.keys)
+    values = [_items_read(value, keys) for value in attribute_values(owner, reads)]
+    return _queue_held(values, todo, deeper, budget, code=(reads.names, keys))
 
 
-def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any = None, names: Any = None) -> bool:
+def _items_read(value: Any, keys: Optional[frozenset]) -> Any:
+    """Of a dict, list or tuple an object's attribute holds, the items the code's constant keys read
+    (``self.nets["G"]``, not ``self.nets["D"]``); all of it where the keys are not known."""
+    if keys is None or type(value) not in (dict, list, tuple) or len(value) > BUDGET:
+        return value
+    if type(value) is dict:
+        return [item for key, item in value.items() if key in keys]
+    size = len(value)
+    at = {key % size for key in keys if type(key) is int and -size <= key < size}
+    return [item for index, item in enumerate(value) if index in at]
+
+
+def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any = None, code: Any = None) -> bool:
     """Queue what a function or an object holds; True if some of it cannot be seen.
 
     Modules and tensors go on ``todo`` (the tier of the holder); functions and
     objects of the user's on ``deeper`` (the complete view only).  In the direct
     view, an object of the user's goes on ``todo`` too, for the attributes of it
-    that ``names`` name, or the code of the function ``holder`` reaches
-    (:func:`reach_names`, read once an object is found): :func:`_follow_named`.
+    and the items of its containers that ``code`` (names, keys) reads, or the code
+    of the function ``holder`` reaches (:func:`reach_code`, read once an object is
+    found): :func:`_follow_named`.
     """
     unseen = False
     for value in values:
@@ -553,10 +623,11 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
                 todo.append((v, False, False))
             else:
                 deeper.append((v, False, True))
-                if (names is not None or holder is not None) and is_users_object(v):
-                    if names is None:
-                        names = reach_names(holder)
-                    todo.append((_Named(v, names | CALLED), False, False))  # (``obj(h)`` names nothing: __call__)
+                if (code is not None or holder is not None) and is_users_object(v):
+                    if code is None:
+                        code = reach_code(holder)
+                    names, keys = code
+                    todo.append((_Named(v, names | CALLED, keys), False, False))  # (``obj(h)``: its __call__)
     return unseen
 
 
