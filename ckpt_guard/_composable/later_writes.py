@@ -102,7 +102,7 @@ def copies_on_write(built: Any, operands: Sequence[Tensor]) -> Sequence[Tensor]:
             clone = t.clone() if small else _copy_on_write(t)
         except Exception:  # noqa: BLE001 - a tensor torch cannot clone so (a subclass, sparse): kept as it is
             continue
-        if small and _base(clone).stride() != base.stride():
+        if small and not _same_layout(clone, t):
             continue  # a view with gaps (a column): a copy would change its layout, which a block may read
 
         callers.append(Watched(i, base, _version(base)))
@@ -224,6 +224,15 @@ def _small_part_of_its_storage(base: Tensor, together: int) -> bool:
         return 2 * together <= base.untyped_storage().nbytes()
     except Exception:  # noqa: BLE001 - no storage to read (a subclass): not cloned either way
         return True
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    """Whether the block would see ``a`` laid out as ``b``: their strides as the block reads them (under vmap,
+    the example's, not the batch's)."""
+    try:
+        return a.stride() == b.stride()
+    except Exception:  # noqa: BLE001 - a tensor with no strides to read (a subclass): not the same, to be safe
+        return False
 
 
 def _same_values(a: Tensor, b: Tensor) -> bool:
