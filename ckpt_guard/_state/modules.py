@@ -276,6 +276,9 @@ def _structure(module: Module) -> _Structure:
 def block_module(function: object) -> object:
     """The module a call runs (itself, behind a bound method or a partial of either, ``partial(forward,
     module)``), else what it runs past its wrappers (:func:`~.peel.peel`)."""
+    kind = type(function)
+    if kind is not functools.partial and kind is not _MethodType:  # (itself: the usual case, on every call)
+        return function
     runs = peel(function)
     if type(runs) is _MethodType and isinstance(runs.__self__, Module):
         return runs.__self__
