@@ -421,19 +421,27 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
     found, methods, done = set(names), [], set()
     keys: Optional[frozenset] = frozenset()
     todo = [members[name] for name in names if name in members]
+    opaque = False  # a member whose code cannot be read (a descriptor of the user's, property(attrgetter(...)))
     while todo:
-        value = todo.pop()
-        value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+        member = todo.pop()
+        value = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
         code = getattr(value, "__code__", None)
-        if type(value) is not types.FunctionType or code in done:
+        if type(value) is not types.FunctionType:
+            getter = getattr(type(member), "__get__", None)
+            if isinstance(getter, types.FunctionType):  # a descriptor written in Python: what its __get__ reads
+                todo.append(getter)
+            else:  # property(attrgetter(...)): code that cannot be read
+                opaque = opaque or (isinstance(member, property) and value is not None)
+            continue
+        if code in done:
             continue
         done.add(code)
         methods.append(value)
-        keys = union_keys(keys, subscript_keys(code))
-        more = method_names(value)
+        more, more_keys = reach_code(value)  # (and the helpers it hands ``self`` to: ``_apply(self, t)``)
+        keys = union_keys(keys, more_keys)
         found |= more
         todo += [members[name] for name in more if name in members]
-    every = not found.isdisjoint(_COMPUTED_READS) or any(
+    every = opaque or not found.isdisjoint(_COMPUTED_READS) or any(
         type(members.get(hook)) is types.FunctionType for hook in ("__getattr__", "__getattribute__"))
     wanted = members if every else {name: members[name] for name in found if name in members}
     slots = tuple(v for v in wanted.values() if type(v) is types.MemberDescriptorType)
@@ -464,6 +472,13 @@ def attribute_values(owner: Any, reads: ClassReads) -> list:
             held = next((members[name] for members in classes if name in members), None)
             if isinstance(held, (Module, Tensor, list, tuple, dict)):
                 values.append(held)
+    if isinstance(owner, (dict, list, tuple)):  # a user's subclass (an AttrDict, a NamedTuple): its items too
+        fields = getattr(type(owner), "_fields", None)
+        if isinstance(owner, tuple) and isinstance(fields, tuple) and not reads.every_attribute:
+            values += [tuple.__getitem__(owner, i) for i, field in enumerate(fields[:len(owner)]) if field in reads.names]
+        elif len(owner) <= BUDGET:  # as a plain container (read by its keys, or whole: _items_read)
+            values.append(dict(dict.items(owner)) if isinstance(owner, dict) else (
+                list.copy(owner) if isinstance(owner, list) else tuple(tuple.__iter__(owner))))
     return values
 
 
@@ -623,7 +638,15 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
                 todo.append((v, False, False))
             else:
                 deeper.append((v, False, True))
-                if (code is not None or holder is not None) and is_users_object(v):
+                if code is None and holder is None:  # the complete view only
+                    continue
+                if type(v) is MethodType and isinstance(v.__self__, Module):  # ``f = layer.forward``: its module
+                    todo.append((v.__self__, False, False))
+                elif type(v) is MethodType and is_users_object(v.__self__):  # ``f = holder.run``: what it reads
+                    function = function_of(v)
+                    if function is not None:
+                        todo.append((_Named(v.__self__, *reach_code(function)), False, False))
+                elif is_users_object(v):
                     if code is None:
                         code = reach_code(holder)
                     names, keys = code
