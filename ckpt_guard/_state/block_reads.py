@@ -293,14 +293,14 @@ def uses_itself(code: types.CodeType) -> bool:
 REACH_NAMES_LIMIT = 16
 
 
-def reach_code(function: types.FunctionType) -> Tuple[frozenset, Optional[frozenset]]:
-    """``(names, keys)``: what ``function``'s code names (:func:`method_names`) and the constant keys it
-    subscripts with (:func:`subscript_keys`), and the same of each function of the user's it holds (closure
-    cells, defaults, globals; a partial's or a bound method's function), in turn: an object it hands on to
-    a helper (``lambda t: run(cfg, t)``, ``run`` reading ``cfg.layer``) is read by the helper's code.  Up to
-    :data:`REACH_NAMES_LIMIT` functions."""
+def reach_code(function: types.FunctionType) -> Tuple[frozenset, tuple]:
+    """``(names, facts)``: what ``function``'s code names (:func:`method_names`), and per code object what it
+    names and the constant keys it subscripts with (:func:`code_facts`), with the same of each function of the
+    user's it holds (closure cells, defaults, globals; a partial's or a bound method's function), in turn: an
+    object it hands on to a helper (``lambda t: run(cfg, t)``, ``run`` reading ``cfg.layer``) is read by the
+    helper's code.  Up to :data:`REACH_NAMES_LIMIT` functions."""
     names: set = set()
-    keys: Optional[frozenset] = frozenset()
+    facts: list = []
     todo, done = [function], set()
     while todo and len(done) < REACH_NAMES_LIMIT:
         current = todo.pop()
@@ -308,7 +308,7 @@ def reach_code(function: types.FunctionType) -> Tuple[frozenset, Optional[frozen
             continue
         done.add(current.__code__)
         names |= method_names(current)
-        keys = union_keys(keys, subscript_keys(current.__code__))
+        facts.append(code_facts(current.__code__))
         try:
             held = list(_referenced(current))
         except Exception:  # noqa: BLE001 - a function whose attributes cannot be read: its own names only
@@ -317,7 +317,7 @@ def reach_code(function: types.FunctionType) -> Tuple[frozenset, Optional[frozen
             helper = function_of(value) if isinstance(value, (types.FunctionType, functools.partial, MethodType)) else None
             if helper is not None and (getattr(helper, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
                 todo.append(helper)
-    return frozenset(names), keys
+    return frozenset(names), tuple(facts)
 
 
 #: instructions after which which items of a container are read cannot be told from the code
@@ -331,9 +331,9 @@ _ITEM_METHODS = frozenset({"get", "values", "items", "keys", "pop", "popitem", "
 
 @functools.lru_cache(maxsize=1024)
 def subscript_keys(code: types.CodeType) -> Optional[frozenset]:
-    """The constant keys ``code`` (and its nested code) subscripts with (``self.nets["G"]``, ``layers[0]``),
-    or None where it may read any item: a computed key, a slice, a loop, an unpacking, a container method
-    (``.values()``, ``.get(k)``), or no subscript at all (``sum(cfg.layers)`` iterates in C)."""
+    """The constant keys ``code`` (and its nested code) subscripts with (``self.nets["G"]``, ``layers[0]``;
+    none: it subscripts nothing), or None where it may read any item: a computed key, a slice, a loop, an
+    unpacking, a container method (``.values()``, ``.get(k)``)."""
     keys: set = set()
     todo = [code]
     while todo:
@@ -351,12 +351,28 @@ def subscript_keys(code: types.CodeType) -> Optional[frozenset]:
                 keys.add(before.argval)
             before = instruction
         todo.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
-    return frozenset(keys) or None
+    return frozenset(keys)
 
 
-def union_keys(a: Optional[frozenset], b: Optional[frozenset]) -> Optional[frozenset]:
-    """Keys read by two pieces of code (None: any)."""
-    return None if a is None or b is None else a | b
+def code_facts(code: types.CodeType) -> Tuple[frozenset, Optional[frozenset]]:
+    """``(names, keys)`` of one code object: :func:`code_names` and :func:`subscript_keys`."""
+    return code_names(code), subscript_keys(code)
+
+
+def keys_read(facts: Any, name: Optional[str]) -> Optional[frozenset]:
+    """The keys the code in ``facts`` reads of the container held by the attribute ``name`` (None: of the
+    object itself, a dict or list subclass): the constant keys of each code naming it; None (any item)
+    where one of them reads items another way, or subscripts nothing (``sum(cfg.layers)`` iterates in C),
+    or none names it."""
+    found: frozenset = frozenset()
+    relevant = False
+    for names, keys in facts:
+        if name is None or name in names:
+            relevant = True
+            if not keys:
+                return None
+            found = found | keys
+    return found if relevant else None
 
 
 def method_names(function: types.FunctionType) -> frozenset:
@@ -397,7 +413,7 @@ class ClassReads:
 
     names: frozenset  # the instance attributes it may read
     methods: Tuple[types.FunctionType, ...]  # the class's methods and properties it may run
-    keys: Optional[frozenset]  # the constant keys those methods subscript with (None: any)
+    facts: tuple  # per code object of those methods: what it names, the constant keys it subscripts with
     slots: tuple  # the member descriptors of those names (a ``__slots__`` class)
     every_attribute: bool  # it reads by a computed name (``getattr``, ``vars``, a ``__getattr__``): all of them
 
@@ -419,7 +435,7 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
     if "__call__" in names:  # used whole (called, iterated, indexed, added to): its special methods may run
         names = names | {name for name in members if _runs_implicitly(name)}
     found, methods, done = set(names), [], set()
-    keys: Optional[frozenset] = frozenset()
+    facts: tuple = ()
     todo = [members[name] for name in names if name in members]
     opaque = False  # a member whose code cannot be read (a descriptor of the user's, property(attrgetter(...)))
     while todo:
@@ -437,31 +453,33 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
             continue
         done.add(code)
         methods.append(value)
-        more, more_keys = reach_code(value)  # (and the helpers it hands ``self`` to: ``_apply(self, t)``)
-        keys = union_keys(keys, more_keys)
+        more, more_facts = reach_code(value)  # (and the helpers it hands ``self`` to: ``_apply(self, t)``)
+        facts += more_facts
         found |= more
         todo += [members[name] for name in more if name in members]
     every = opaque or not found.isdisjoint(_COMPUTED_READS) or any(
         type(members.get(hook)) is types.FunctionType for hook in ("__getattr__", "__getattribute__"))
     wanted = members if every else {name: members[name] for name in found if name in members}
     slots = tuple(v for v in wanted.values() if type(v) is types.MemberDescriptorType)
-    return ClassReads(frozenset(found), tuple(methods), keys, slots, every)
+    return ClassReads(frozenset(found), tuple(methods), facts, slots, every)
 
 
-def attribute_values(owner: Any, reads: ClassReads) -> list:
-    """The values of ``owner``'s attributes ``reads`` names: its own (read past any ``__getattr__`` of
-    its class), its slots' (by their member descriptors), its class's; no user code runs."""
+def named_values(owner: Any, reads: ClassReads) -> list:
+    """``(name, value)`` for ``owner``'s attributes ``reads`` names: its own (read past any ``__getattr__`` of
+    its class), its slots' (by their member descriptors), its class's, and, for a dict, list or tuple of the
+    user's class (an AttrDict, a NamedTuple), its items as a plain container (name None) or its named fields;
+    no user code runs."""
     try:
         attributes = object.__getattribute__(owner, "__dict__")
     except Exception:  # noqa: BLE001 - __slots__ only, or a __dict__ of the class's that raises
         attributes = None
     if type(attributes) is not dict:
         attributes = {}
-    values = list(attributes.values()) if reads.every_attribute else [
-        attributes[name] for name in reads.names if name in attributes]
+    found = list(attributes.items()) if reads.every_attribute else [
+        (name, attributes[name]) for name in reads.names if name in attributes]
     for slot in reads.slots:
         try:
-            values.append(slot.__get__(owner))
+            found.append((slot.__name__, slot.__get__(owner)))
         except Exception:  # noqa: BLE001 - an empty slot
             continue
     # a module or a tensor the class holds under a name read (looked up now: a class attribute may be
@@ -471,15 +489,21 @@ def attribute_values(owner: Any, reads: ClassReads) -> list:
         if name not in attributes:
             held = next((members[name] for members in classes if name in members), None)
             if isinstance(held, (Module, Tensor, list, tuple, dict)):
-                values.append(held)
+                found.append((name, held))
     if isinstance(owner, (dict, list, tuple)):  # a user's subclass (an AttrDict, a NamedTuple): its items too
         fields = getattr(type(owner), "_fields", None)
         if isinstance(owner, tuple) and isinstance(fields, tuple) and not reads.every_attribute:
-            values += [tuple.__getitem__(owner, i) for i, field in enumerate(fields[:len(owner)]) if field in reads.names]
+            found += [(field, tuple.__getitem__(owner, i)) for i, field in enumerate(fields[:len(owner)])
+                      if field in reads.names]
         elif len(owner) <= BUDGET:  # as a plain container (read by its keys, or whole: _items_read)
-            values.append(dict(dict.items(owner)) if isinstance(owner, dict) else (
-                list.copy(owner) if isinstance(owner, list) else tuple(tuple.__iter__(owner))))
-    return values
+            found.append((None, dict(dict.items(owner)) if isinstance(owner, dict) else (
+                list.copy(owner) if isinstance(owner, list) else tuple(tuple.__iter__(owner)))))
+    return found
+
+
+def attribute_values(owner: Any, reads: ClassReads) -> list:
+    """The values of :func:`named_values`."""
+    return [value for _, value in named_values(owner, reads)]
 
 
 def _module_root(klass: type) -> str:
@@ -495,13 +519,13 @@ def clear_caches() -> None:
 
 
 class _Named:
-    """An object of the user's the direct view reached, the names the code that holds it names, and the
-    constant keys it subscripts with (None: any)."""
+    """An object of the user's the direct view reached, the names the code that holds it names, and what
+    each code object of it names and subscripts with (:func:`code_facts`)."""
 
-    __slots__ = ("owner", "names", "keys")
+    __slots__ = ("owner", "names", "facts")
 
-    def __init__(self, owner: Any, names: frozenset, keys: Optional[frozenset]):
-        self.owner, self.names, self.keys = owner, names, keys
+    def __init__(self, owner: Any, names: frozenset, facts: tuple):
+        self.owner, self.names, self.facts = owner, names, facts
 
 
 def reads_of(function: Any) -> Reads:
@@ -570,7 +594,7 @@ def reads_of(function: Any) -> Reads:
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif look_into and is_users_object(obj):  # an object of the user's: its attributes, and its __call__
                     if not is_deep:  # the block itself is one: what its __call__ names, then all
-                        todo.append((_Named(obj, CALLED, None), False, False))
+                        todo.append((_Named(obj, CALLED, ()), False, False))
                     direct_unseen = direct_unseen or not is_deep
                     attributes = attribute(obj, "__dict__")
                     if not isinstance(attributes, dict):  # __slots__, or a lookup that raises
@@ -598,9 +622,12 @@ def _follow_named(reached: _Named, todo: list, deeper: list, budget: list) -> bo
     owner = reached.owner
     reads = names_read(type(owner), reached.names)
     todo.extend((method, False, True) for method in reads.methods)
-    keys = union_keys(reached.keys, reads.keys)
-    values = [_items_read(value, keys) for value in attribute_values(owner, reads)]
-    return _queue_held(values, todo, deeper, budget, code=(reads.names, keys))
+    facts = reached.facts + reads.facts
+    values = [
+        _items_read(value, keys_read(reached.facts if name is None else facts, name))
+        for name, value in named_values(owner, reads)
+    ]
+    return _queue_held(values, todo, deeper, budget, code=(reads.names, facts))
 
 
 def _items_read(value: Any, keys: Optional[frozenset]) -> Any:
@@ -621,7 +648,7 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
     Modules and tensors go on ``todo`` (the tier of the holder); functions and
     objects of the user's on ``deeper`` (the complete view only).  In the direct
     view, an object of the user's goes on ``todo`` too, for the attributes of it
-    and the items of its containers that ``code`` (names, keys) reads, or the code
+    and the items of its containers that ``code`` (names, facts) reads, or the code
     of the function ``holder`` reaches (:func:`reach_code`, read once an object is
     found): :func:`_follow_named`.
     """
@@ -649,8 +676,8 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
                 elif is_users_object(v):
                     if code is None:
                         code = reach_code(holder)
-                    names, keys = code
-                    todo.append((_Named(v, names | CALLED, keys), False, False))  # (``obj(h)``: its __call__)
+                    names, facts = code
+                    todo.append((_Named(v, names | CALLED, facts), False, False))  # (``obj(h)``: its __call__)
     return unseen
 
 
