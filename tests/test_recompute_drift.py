@@ -629,14 +629,20 @@ def test_a_reentrant_checkpoint_whose_block_trains_is_seen_whichever_way_it_reac
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
         assert_all_close(run_guarded(probe, True, "fallback"), reference)
     # nothing trains (a frozen layer): no rule fires, and the result is the plain one (no gradient)
+    _frozen_block_is_quiet(probe, path, True, "CKG006")
+
+
+def _frozen_block_is_quiet(probe, path, use_reentrant, rule):
+    """With the block's layer frozen (its object's spare still trains), strict is quiet and the result is the
+    plain one (no gradient); where the direct view counts every item, ``rule`` fires (conservative, documented)."""
     frozen = functools.partial(probe, trainable=False)
-    if path in _COUNT_EVERY_ITEM:  # conservative (documented): the trainable spare counts
-        with pytest.raises(CheckpointCompositionError, match="CKG006"):
-            run_guarded(frozen, True, "strict")
+    if path in _COUNT_EVERY_ITEM:
+        with pytest.raises(CheckpointCompositionError, match=rule):
+            run_guarded(frozen, use_reentrant, "strict")
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error", CheckpointCompositionWarning)
-        assert run_guarded(frozen, True, "strict") is None and frozen(no_checkpoint, True) is None
+        assert run_guarded(frozen, use_reentrant, "strict") is None and frozen(no_checkpoint, use_reentrant) is None
 
 
 def _vmapped_then_backward(checkpoint, use_reentrant, path, trainable=True):
@@ -670,14 +676,7 @@ def test_a_vmapped_checkpoint_whose_block_trains_is_seen_whichever_way_it_reache
         warnings.simplefilter("ignore", CheckpointCompositionWarning)
         assert_all_close(run_guarded(probe, False, "fallback"), reference)
     if rule == "CKG003":  # nothing the block runs trains (its object's spare module does): quiet, no history
-        frozen = functools.partial(probe, trainable=False)
-        if path in _COUNT_EVERY_ITEM:  # conservative (documented): the trainable spare counts
-            with pytest.raises(CheckpointCompositionError, match="CKG003"):
-                run_guarded(frozen, False, "strict")
-            return
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", CheckpointCompositionWarning)
-            assert run_guarded(frozen, False, "strict") is None and frozen(no_checkpoint, False) is None
+        _frozen_block_is_quiet(probe, path, False, "CKG003")
 
 
 class _GanTrainer:
