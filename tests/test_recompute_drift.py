@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import re
 import threading
 import types
@@ -436,6 +437,17 @@ def _run_config(config, t):
     return torch.tanh(config.layers["k"](t))
 
 
+def _run_module(module, t):
+    return module(t)
+
+
+class _ApplyTo(torch.nn.Module):
+    """A module of the user's whose ``forward`` is handed an object and reads ``config.layer`` of it."""
+
+    def forward(self, config, t):
+        return config.layer(t)
+
+
 def _reach(path: str, layer: torch.nn.Module, spare: torch.nn.Module):
     """A block reaching ``layer`` by ``path`` (what the walk must see for CKG108); where an object of the
     user's holds it, the object holds ``spare`` too, which the block never runs."""
@@ -486,6 +498,29 @@ def _reach(path: str, layer: torch.nn.Module, spare: torch.nn.Module):
     if path == "a slot in a closure":
         slots = _Slots(layer, spare)
         return lambda t: torch.tanh(slots.layer(t))
+    if path == "a helper function in a closure":
+        def helper(t):
+            return torch.tanh(layer(t))
+        return lambda t: helper(t)
+    if path == "a function an object holds, in a closure":
+        holder = types.SimpleNamespace(fn=lambda t: layer(t), spare=spare)
+        return lambda t: torch.tanh(holder.fn(t))
+    if path == "a partial an object holds, in a closure":
+        holder = types.SimpleNamespace(fn=functools.partial(_run_module, layer), spare=spare)
+        return lambda t: torch.tanh(holder.fn(t))
+    if path == "a class used as a namespace, in a closure":
+        namespace = type("Layers", (), {"layer": layer, "spare": spare})
+        return lambda t: torch.tanh(namespace.layer(t))
+    if path == "a Python module's attribute, in a closure":
+        models = types.ModuleType("user_models")
+        models.layer, models.spare = layer, spare
+        return lambda t: torch.tanh(models.layer(t))
+    if path == "an attrgetter in a closure":
+        get, config = operator.attrgetter("layer"), types.SimpleNamespace(layer=layer, spare=spare)
+        return lambda t: torch.tanh(get(config)(t))
+    if path == "an object handed to a module's forward, in a closure":
+        apply, config = _ApplyTo(), types.SimpleNamespace(layer=layer, spare=spare)
+        return lambda t: torch.tanh(apply(config, t))
     raise AssertionError(path)
 
 
@@ -496,13 +531,20 @@ REACH_PATHS = (
     "an object in a namespace in a closure", "an object handed to a helper in a closure", "an object iterated in a closure",
     "a slot in a closure", "a NamedTuple in a closure", "an AttrDict in a closure", "a descriptor of the user's in a closure",
     "a method handing its object to a helper, in a closure", "the module's bound forward in a closure",
+    "a helper function in a closure", "a function an object holds, in a closure",
+    "a partial an object holds, in a closure", "a class used as a namespace, in a closure",
+    "a Python module's attribute, in a closure", "an attrgetter in a closure",
+    "an object handed to a module's forward, in a closure",
 )
 #: where the direct view counts the spare too (conservative, documented in docs/limits.md): a dict whose
 #: class reads items as attributes (``__getattr__``) makes every attribute, so every item, count
 _COUNT_EVERY_ITEM = frozenset({"an AttrDict in a closure"})
-#: the paths where an object of the user's holds the spare module too
+#: the paths where an object of the user's holds the spare module too (a class or a Python module used as a
+#: namespace holds it too, but is read by the names its code names there as well)
 _HOLD_THE_SPARE = frozenset(REACH_PATHS) - {
-    "the module itself", "a list in a list in a closure", "the module's bound forward in a closure"}
+    "the module itself", "a list in a list in a closure", "the module's bound forward in a closure",
+    "a helper function in a closure", "a class used as a namespace, in a closure",
+    "a Python module's attribute, in a closure"}
 
 
 def _step_between_forward_and_backward(checkpoint, use_reentrant, path, stepped="the block's"):
@@ -718,6 +760,38 @@ def test_the_items_a_block_reads_of_an_objects_container():
     blocks["listed.layers[-1]"] = (lambda t: listed.layers[-1](t), {b})
     blocks["listed.layers[:1]"] = (lambda t: listed.layers[:1][0](t), {a, b})
     blocks["sum(listed.layers)"] = (lambda t: sum(listed.layers, t), {a, b})  # (no subscript: any item)
+    for name, (block, expected) in blocks.items():
+        assert set(reads_of(block).modules) == expected, name
+
+
+class _Runs:
+    """An object whose ``run`` reads ``self.layer`` (and holds ``self.spare``)."""
+
+    def __init__(self, layer, spare):
+        self.layer, self.spare = layer, spare
+
+    def run(self, t):
+        return self.layer(t)
+
+
+def test_what_a_block_reads_through_operator_getters():
+    """An ``operator.attrgetter`` or ``methodcaller`` held by the block reads the attributes or the method it
+    names (dotted names too); one the block makes itself names them only as strings: every attribute counts."""
+    from ckpt_guard._state.block_reads import reads_of
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    holder = _Runs(a, b)
+    outer = types.SimpleNamespace(inner=holder, spare=b)
+    get, get_dotted = operator.attrgetter("layer"), operator.attrgetter("inner.layer")
+    call, call_with = operator.methodcaller("run", torch.ones(2)), operator.methodcaller("run", t=torch.ones(2))
+    blocks = {
+        "a held attrgetter": (lambda t: get(holder)(t), {a}),
+        "a held dotted attrgetter": (lambda t: get_dotted(outer)(t), {a}),
+        "a held methodcaller": (lambda t: call(holder) + t, {a}),
+        "a held methodcaller with keywords": (lambda t: call_with(holder) + t, {a}),
+        "an attrgetter made inline": (lambda t: operator.attrgetter("layer")(holder)(t), {a, b}),
+        "a methodcaller made inline": (lambda t: operator.methodcaller("run", t)(holder), {a, b}),
+    }
     for name, (block, expected) in blocks.items():
         assert set(reads_of(block).modules) == expected, name
 

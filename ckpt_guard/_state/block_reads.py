@@ -19,25 +19,29 @@ the function:
   held there, and in those it holds (``checkpoint_sequential`` closes over a
   list of modules; ``[[block, head]]``): a module found there may be used only
   in part;
+* the functions and partials held that way, walked the same way: the helpers
+  the block calls (``lambda t: inner(t)`` where ``inner`` uses the layer; a
+  ``functools.wraps`` decorator's wrapper; ``self.fn = lambda t: layer(t)``);
+* a class or a Python module of the user's used as a namespace
+  (``Layers.encoder``, ``models.encoder``): the attributes the code holding it
+  names (:func:`namespace_values`);
 * behind an object of the user's held that way (a config, a trainer, the owner
   of a method, the block itself as a callable object): the attributes the code
   holding it names, or the code of the helpers it calls (``cfg.layers["k"]``:
   ``layers``; :func:`reach_code`), and those named by each method or property
   of its class so named (``self.generate`` → ``self.G``; its special methods
   where it is used whole), :func:`names_read`; a ``__slots__`` object's slots
-  alike; every attribute where the code reads one by a computed name.  A module
-  found there may be used only in part.
+  alike; what an ``operator.attrgetter`` or ``methodcaller`` held there names,
+  and what the ``forward`` of a module of the user's held there names (the
+  object may be handed to it); every attribute where the code reads one by a
+  computed name.  A module found there may be used only in part.
 
 That is the *direct* view (``Reads.whole``, ``partial``, ``tensors``): what
 the call-time rules CKG003 / CKG006 and CKG108 count, so that a block is not
-blamed for a model it merely has a path to.  The *complete* view
-(:meth:`Reads.complete`) goes on from there:
+blamed for a model it merely has a path to.  Functions of torch and the
+standard library are not walked (they hold no module of the user's).  The
+*complete* view (:meth:`Reads.complete`) goes on from there:
 
-* the functions, partials and methods held that way (a block built by a
-  helper, ``lambda t: inner(t)`` where ``inner`` closes over the layer; a
-  ``functools.wraps`` decorator's wrapper), walked the same way; functions
-  of torch and the standard library are not walked (they hold no module of
-  the user's);
 * objects of the user's own classes (a callable object, the owner of a
   method): all their attributes (``__dict__``) as a closure's cells, and their
   class's ``__call__``.
@@ -63,6 +67,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import operator
 import types
 from dataclasses import dataclass
 from types import MethodType
@@ -149,7 +154,7 @@ HOLDS_NOTHING = (
 LIBRARY_ROOTS = frozenset({
     "builtins", "torch", "typing", "enum", "math", "logging", "warnings", "functools",
     "itertools", "operator", "collections", "contextlib", "threading", "re", "os", "sys",
-    "abc", "dataclasses", "inspect", "weakref", "numbers", "copy",
+    "abc", "dataclasses", "inspect", "weakref", "numbers", "copy", "numpy",
 })
 #: How many values the complete walk looks at before it gives up (and says so):
 #: a block that holds a million-element list, or an object with a huge
@@ -180,6 +185,39 @@ def is_users_object(value: Any) -> bool:
     return _module_root(type(value)) not in LIBRARY_ROOTS
 
 
+def is_namespace(value: Any) -> bool:
+    """Whether ``value`` is a class or a Python module of the user's, whose attributes code may read as a
+    namespace's (``Layers.encoder``, ``models.encoder``): read by the names that code names."""
+    if isinstance(value, type):
+        return _module_root(value) not in LIBRARY_ROOTS
+    if isinstance(value, types.ModuleType):
+        name = attribute(value, "__name__")
+        return isinstance(name, str) and name.split(".")[0] not in LIBRARY_ROOTS
+    return False
+
+
+def namespace_values(namespace: Any, names: frozenset) -> Tuple[ClassReads, list]:
+    """``(reads, [(name, value)])``: what code naming ``names`` reads of a class or a Python module used as a
+    namespace: the attributes so named (a class's through its own classes, no metaclass code runs), and, of
+    a class, the names its static and class methods and properties so named name in turn (:func:`names_read`;
+    every attribute where one reads by a computed name)."""
+    if isinstance(namespace, types.ModuleType):
+        attributes = attribute(namespace, "__dict__")
+        if not isinstance(attributes, dict):
+            return _READS_NOTHING, []
+        if not names.isdisjoint(_COMPUTED_READS):  # getattr(models, name): any of them
+            return ClassReads(names, (), (), (), True), list(attributes.items())
+        return ClassReads(names, (), (), (), False), [(name, attributes[name]) for name in names if name in attributes]
+    reads = names_read(namespace, names)
+    members: dict = {}
+    for klass in reversed(namespace.__mro__):
+        if _module_root(klass) not in LIBRARY_ROOTS:
+            members.update(vars(klass))
+    if reads.every_attribute:
+        return reads, list(members.items())
+    return reads, [(name, members[name]) for name in reads.names if name in members]
+
+
 #: how deep containers held in containers are looked into (``[[block, head]]``, ``{"stages": [...]}``)
 CONTAINER_DEPTH = 3
 
@@ -192,7 +230,7 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool, int]:
     tensors, and the functions, partials, methods and objects of the user's to walk further.  One
     longer than ``limit``, or deeper, is not looked into (opaque).
     """
-    if isinstance(value, (Module, Tensor)) or _walkable(value):
+    if isinstance(value, (Module, Tensor)) or _walkable(value) or is_namespace(value):
         return [value], False, 1
     if isinstance(value, (list, tuple, dict)):
         found: List[Any] = []
@@ -203,7 +241,7 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool, int]:
             if looked > limit or depth == 0:
                 return found, True, looked
             for item in (container.values() if isinstance(container, dict) else container):
-                if isinstance(item, (Module, Tensor)) or _walkable(item):
+                if isinstance(item, (Module, Tensor)) or _walkable(item) or is_namespace(item):
                     found.append(item)
                 elif isinstance(item, (list, tuple, dict)):
                     todo.append((item, depth - 1))
@@ -314,10 +352,29 @@ def reach_code(function: types.FunctionType) -> Tuple[frozenset, tuple]:
         except Exception:  # noqa: BLE001 - a function whose attributes cannot be read: its own names only
             continue
         for value in held:
-            helper = function_of(value) if isinstance(value, (types.FunctionType, functools.partial, MethodType)) else None
-            if helper is not None and (getattr(helper, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
+            if isinstance(value, Module):  # an object handed to a module's forward is read by that code
+                helper = attribute(type(value), "forward")
+            elif type(value) in (operator.attrgetter, operator.methodcaller):  # get(cfg): reads cfg.<its names>
+                names |= _getter_names(value)
+                continue
+            else:
+                helper = function_of(value) if isinstance(value, (types.FunctionType, functools.partial, MethodType)) else None
+            if type(helper) is types.FunctionType and (
+                    getattr(helper, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS:
                 todo.append(helper)
     return frozenset(names), tuple(facts)
+
+
+def _getter_names(getter: Any) -> frozenset:
+    """The attribute names an ``operator.attrgetter`` reads (``"a.b"``: both), or the method an
+    ``operator.methodcaller`` calls."""
+    try:
+        made, arguments = getter.__reduce__()[:2]
+        if isinstance(made, functools.partial):  # methodcaller("run", k=2): partial(methodcaller, "run", k=2)
+            arguments = made.args
+        return frozenset(part for name in arguments if isinstance(name, str) for part in name.split("."))
+    except Exception:  # noqa: BLE001 - a getter of another shape: every attribute
+        return frozenset({"getattr"})
 
 
 #: instructions after which which items of a container are read cannot be told from the code
@@ -382,7 +439,7 @@ def method_names(function: types.FunctionType) -> frozenset:
 
 
 #: names whose code reads attributes by a computed name: then every attribute is the code's read
-_COMPUTED_READS = frozenset({"getattr", "vars", "__dict__", "__getattribute__", "attrgetter"})
+_COMPUTED_READS = frozenset({"getattr", "vars", "__dict__", "__getattribute__", "attrgetter", "methodcaller"})
 #: the names to read an object by where no code says which (every attribute, and its ``__call__``)
 EVERY_NAME = frozenset({"__dict__", "__call__"})
 #: what code holding an object of the user's may run of it without naming anything (``obj(h)``, ``for m
@@ -462,6 +519,9 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
     wanted = members if every else {name: members[name] for name in found if name in members}
     slots = tuple(v for v in wanted.values() if type(v) is types.MemberDescriptorType)
     return ClassReads(frozenset(found), tuple(methods), facts, slots, every)
+
+
+_READS_NOTHING = ClassReads(frozenset(), (), (), (), False)
 
 
 def named_values(owner: Any, reads: ClassReads) -> list:
@@ -620,13 +680,14 @@ def _follow_named(reached: _Named, todo: list, deeper: list, budget: list) -> bo
     (:func:`names_read`); the methods themselves are walked as a method's function is.  Only what
     the code names: a trainer's discriminator is not its generator block's read.  True if unseen."""
     owner = reached.owner
-    reads = names_read(type(owner), reached.names)
+    if is_namespace(owner):  # a class or a Python module used as a namespace
+        reads, named = namespace_values(owner, reached.names)
+    else:
+        reads = names_read(type(owner), reached.names)
+        named = named_values(owner, reads)
     todo.extend((method, False, True) for method in reads.methods)
     facts = reached.facts + reads.facts
-    values = [
-        _items_read(value, keys_read(reached.facts if name is None else facts, name))
-        for name, value in named_values(owner, reads)
-    ]
+    values = [_items_read(value, keys_read(reached.facts if name is None else facts, name)) for name, value in named]
     return _queue_held(values, todo, deeper, budget, code=(reads.names, facts))
 
 
@@ -663,11 +724,17 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
         for v in found:
             if isinstance(v, (Module, Tensor)):
                 todo.append((v, False, False))
+            elif is_namespace(v):  # the attributes the code holding it names (``Layers.encoder``)
+                if code is not None or holder is not None:
+                    names, facts = code if code is not None else (code_names(holder.__code__), (code_facts(holder.__code__),))
+                    todo.append((_Named(v, names, facts), False, False))
             else:
                 deeper.append((v, False, True))
                 if code is None and holder is None:  # the complete view only
                     continue
-                if type(v) is MethodType and isinstance(v.__self__, Module):  # ``f = layer.forward``: its module
+                if isinstance(v, (types.FunctionType, functools.partial)):  # a helper the code calls: its reads too
+                    todo.append((v, False, True))
+                elif type(v) is MethodType and isinstance(v.__self__, Module):  # ``f = layer.forward``: its module
                     todo.append((v.__self__, False, False))
                 elif type(v) is MethodType and is_users_object(v.__self__):  # ``f = holder.run``: what it reads
                     function = function_of(v)

@@ -23,7 +23,8 @@ import torch
 
 from .basics import Module
 from .block_reads import (
-    EVERY_NAME, LIBRARY_ROOTS, attribute_values, global_names, is_users_object, method_names, names_read,
+    EVERY_NAME, LIBRARY_ROOTS, attribute_values, code_names, global_names, is_namespace, is_users_object,
+    method_names, names_read, namespace_values,
 )
 from .peel import peel
 
@@ -234,7 +235,8 @@ def reached_modules(function: object) -> list:
     :data:`REACH_DEPTH` steps, what the functions, bound methods, partials,
     lists, tuples, dicts and objects of the user's they hold hold in turn (an
     object's every attribute, its slots, its class's modules, and the special
-    methods using it runs: ``__call__``, ``__iter__``...).
+    methods using it runs: ``__call__``, ``__iter__``...), and of a class or a Python
+    module used as a namespace, the attributes the code holding it names (``Layers.encoder``).
     The same reach as the complete view of :func:`~.block_reads.reads_of`
     (by its rules of what cannot hide a module: torch's and Python's own
     functions and objects), bounded in depth and width instead of by a
@@ -244,7 +246,8 @@ def reached_modules(function: object) -> list:
     found: dict = {}
     seen: set = set()
 
-    def visit(value: object, depth: int) -> None:
+    def visit(value: object, depth: int, names: frozenset = frozenset()) -> None:
+        # names: what the code of the function holding ``value`` names (for a namespace it holds)
         if isinstance(value, Module):
             found.setdefault(id(value), value)
             return
@@ -258,17 +261,26 @@ def reached_modules(function: object) -> list:
         elif kind is types.FunctionType:
             if (getattr(value, "__module__", None) or "").split(".")[0] in LIBRARY_ROOTS:
                 return  # torch's or Python's own: holds no module of the user's
+            held_names = code_names(value.__code__)
             for item in _held_by_function(value):
-                visit(item, depth - 1)
+                visit(item, depth - 1, held_names)
         elif kind is functools.partial:
-            for item in (value.func, *value.args, *value.keywords.values()):
-                visit(item, depth - 1)
+            func = value.func
+            held_names = code_names(func.__code__) if type(func) is types.FunctionType else names
+            for item in (func, *value.args, *value.keywords.values()):
+                visit(item, depth - 1, held_names)
         elif kind is list or kind is tuple:
             for item in value[:REACH_ITEMS]:
-                visit(item, depth - 1)
+                visit(item, depth - 1, names)
         elif kind is dict:
             for item in itertools.islice(value.values(), REACH_ITEMS):
-                visit(item, depth - 1)
+                visit(item, depth - 1, names)
+        elif is_namespace(value):  # a class or a Python module: what the code holding it names of it
+            reads, named = namespace_values(value, names)
+            for method in reads.methods:
+                visit(method, depth - 1)
+            for _, item in named[:REACH_ITEMS]:
+                visit(item, depth - 1, names)
         elif is_users_object(value):
             # every attribute (read past any __getattr__ of its class), a __slots__ object's slots, and the
             # special methods using it runs (__call__, __iter__, ...): not only those the block's code names,
