@@ -56,8 +56,9 @@ def batch(call, n=300):  # CPU time: a busy neighbour's steal time on a shared m
 
 results = {}
 closure = (lambda block: lambda h: block(h))(Block())  # a function block: its closure's modules are walked
+helper_block = (lambda helper: lambda h: helper(h))(closure)  # a block calling a helper: the helper's too
 for name, module, shape in (("trivial", Trivial(), (4,)), ("3-module block", Block(), (4, 16)),
-                            ("lambda h: block(h)", closure, (4, 16))):
+                            ("lambda h: block(h)", closure, (4, 16)), ("lambda h: helper(h)", helper_block, (4, 16))):
     x = torch.randn(*shape, requires_grad=True)
     for reentrant in (False, True):
         call = lambda: checkpoint(module, x, use_reentrant=reentrant)

@@ -577,7 +577,9 @@ def test_long_helper_chains_are_walked_and_huge_holdings_are_bounded():
         chain = (lambda f: lambda t: f(t))(chain)
     found = _reads.reads_of(chain).complete()
     assert not found.unseen and found.modules == (layer,)
-    assert _reads.reads_of(chain).modules == ()  # not in the direct view: the rules do not count it
+    # the helpers the block calls are its reads (CKG108 missed a step of ``layer`` once): the rules count it, as
+    # a module the block may use only in part
+    assert _reads.reads_of(chain).partial == (layer,)
 
     class Holder:
         pass
