@@ -388,14 +388,14 @@ def test_where_fallbacks_composable_recompute_ran_there_is_nothing_to_fix():
 
 
 def test_every_place_a_block_takes_a_tensor_from_is_named_in_messages():
-    """Issue 49: the message paths (``binding.describe_path``) skipped ``__kwdefaults__``, so a tensor
+    """Issue 49: the message paths (``paths.describe_path``) skipped ``__kwdefaults__``, so a tensor
     lifted from a keyword-only default was "a tensor the guard cannot name"; each place the walk lifts
     a tensor from is named."""
     import functools
 
     import torch
 
-    from ckpt_guard._composable.binding import describe_path
+    from ckpt_guard._composable.paths import describe_path
 
     w = torch.ones(2)
     closed = torch.ones(2)

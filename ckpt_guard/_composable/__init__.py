@@ -8,6 +8,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
                run the first forward, pack its outputs into the Function
 ``binding``    the walk: what the block reaches (modules' tensors bound per thread,
                closures, partials, containers, arguments), lifted as inputs
+``paths``      the path a user would recognise to a tensor the walk reached (messages only)
 ``shapes``     a module block's walk kept between its calls, checked exhaustively
                and re-read at each call instead of walked again
 ``proof``      the run-time proof: every tensor needing a gradient the plain run read
@@ -30,7 +31,7 @@ One call's way through this package (``ckpt_guard.checkpoint(block, x)`` under
 =============  ===================================================================
 
 Dependencies point down that table's layers: ``call`` → ``function`` →
-``plan`` → ``records`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``binding``/``proof``/``basics``.
+``plan`` → ``records`` → ``replay``/``saving`` → ``residuals``/``shapes`` → ``paths`` → ``binding``/``proof``/``basics``.
 This package is an engine with its doors outside it: it reads the state (``_state``), the
 configuration, the rule table and the exceptions, and nothing here imports the decision
 (``_decide``, ``_drift``, ``_messages``) or a door (``tests/test_architecture.py`` checks it,

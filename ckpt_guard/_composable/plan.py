@@ -21,6 +21,7 @@ from torch._C._functorch import current_level as _current_level
 
 from . import proof as _proof
 from . import binding as _rebind
+from . import paths as _paths
 from . import counters
 from . import levels as _levels
 from . import residuals as _residuals
@@ -383,7 +384,7 @@ class Plan:
         for i, (t, was, now) in enumerate(zip(self.at_call.inputs, self.found.versions, after)):
             if was is None or now == was or i in check.before or i in check.rewritten:
                 continue
-            path = _rebind.describe_path(self.at_call.original_function, self.at_call.args, self.at_call.kwargs, t)
+            path = _paths.describe_path(self.at_call.original_function, self.at_call.args, self.at_call.kwargs, t)
             return Reason(
                 "unseen-update",
                 f"the block updated {path or 'a tensor it reads'} (a {tuple(_base(t).shape)} tensor) in place "
@@ -402,7 +403,7 @@ class Plan:
             if j is None or not (self.at_call.reachable[i] or self.at_call.reachable[j]):
                 continue
             t = self.at_call.inputs[j]
-            path = _rebind.describe_path(self.at_call.original_function, self.at_call.args, self.at_call.kwargs, t)
+            path = _paths.describe_path(self.at_call.original_function, self.at_call.args, self.at_call.kwargs, t)
             return Reason(
                 "overlapping-write",
                 f"the block updates in place an input that shares memory with another input it is given "
@@ -555,7 +556,7 @@ class _Replay:
 
 def _describe_unlifted(built: Plan, read: _proof.Unlifted) -> Reason:
     tensor = read.tensor
-    path = _rebind.describe_path(built.at_call.original_function, built.at_call.args, built.at_call.kwargs, tensor)
+    path = _paths.describe_path(built.at_call.original_function, built.at_call.args, built.at_call.kwargs, tensor)
     if _state.is_functorch_wrapped_tensor(tensor):
         what = "a tensor a torch.func transform is differentiating or batching"
     else:
