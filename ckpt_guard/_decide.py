@@ -403,7 +403,7 @@ def _no_gradient_can_follow(function: Any, inputs: tuple) -> bool:
     warned of a risk there).  Asked only where a risk is visible at call time."""
     if _peek_interpreter_stack() is not None or _forward_ad._current_level >= 0:
         return False
-    if not all(isinstance(value, _SEEN_THROUGH) for value in inputs):
+    if not all(issubclass(type(value), _SEEN_THROUGH) for value in inputs):
         return False  # an object the walk does not look into may hold a trainable tensor
     # every tensor the call may read (a module passed as an argument, one in eval mode: its parameters too),
     # read where no mode of the user's sees the guard's reads

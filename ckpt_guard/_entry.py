@@ -36,7 +36,7 @@ def _swapped_parameters(function: Any, args: tuple = ()) -> bool:
     On every eager ``ckpt_guard.checkpoint`` call: about 4 µs for a transformer layer
     (``type(...) is`` first; ``isinstance`` on a Parameter goes through a metaclass).
     """
-    stack = [*_reads.reads_of(function).complete().modules, *(a for a in args if isinstance(a, _torch.nn.Module))]
+    stack = [*_reads.reads_of(function).complete().modules, *(a for a in args if _state.is_module(a))]
     while stack:
         module = stack.pop()
         if module is None:

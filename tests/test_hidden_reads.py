@@ -46,6 +46,19 @@ class Holder:
         return self.own
 
 
+class _Uncopyable:
+    """An object that refuses to be copied (the recompute cannot rebuild it with its own tensors)."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __copy__(self):
+        raise TypeError("an _Uncopyable cannot be copied")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("an _Uncopyable cannot be copied")
+
+
 #: helpers kept as module globals, each holding the tensor where a copy of the block cannot reach
 GLOBAL_HELPER = GLOBAL_PARTIAL = GLOBAL_METHOD = None
 
@@ -69,6 +82,7 @@ _THROUGH_A_GLOBAL_HELPER = {
 PLACES = (
     "closure", "dict in a closure", "object attribute", "class attribute", "module global",
     "a global helper's closure", "a global partial", "a global bound method",
+    "an uncopyable object in a closure", "an uncopyable object as an argument",
 )
 READS = ("plainly", "with torch functions off", "added in place, torch functions off")
 TRANSFORMS = {
@@ -94,9 +108,14 @@ def _program(place: str, read: str, ckpt):
         GLOBAL_HELPER = (lambda v: lambda: v)(w)  # found through the helper's closure (issue 49's survey)
         GLOBAL_PARTIAL = functools.partial(lambda v: v, w)
         GLOBAL_METHOD = Holder(w).get
+        uncopyable = _Uncopyable(w)
 
         if place in _THROUGH_A_GLOBAL_HELPER:  # the block reaches nothing else that holds w
             get = _THROUGH_A_GLOBAL_HELPER[place]
+        elif place == "an uncopyable object in a closure":  # nor here
+            get = lambda: uncopyable.w  # noqa: E731
+        elif place == "an uncopyable object as an argument":  # (the block reads the one it is given)
+            get = None
         else:
             def get():
                 return {
@@ -104,17 +123,20 @@ def _program(place: str, read: str, ckpt):
                     "class attribute": lambda: Holder.w, "module global": lambda: HIDDEN.w,
                 }[place]()
 
-        def block(t):
+        def block(t, given=None):
+            read_w = get if given is None else (lambda: given.w)  # (an object the block is given)
             h = torch.tanh(t @ W)
             if read == "plainly":
-                return torch.tanh(h @ get())
+                return torch.tanh(h @ read_w())
             if read == "with torch functions off":
                 with torch._C.DisableTorchFunction():
-                    return torch.tanh(h @ get())
+                    return torch.tanh(h @ read_w())
             with torch._C.DisableTorchFunction():
-                h.add_(get()[0])
+                h.add_(read_w()[0])
             return torch.tanh(h)
 
+        if place == "an uncopyable object as an argument":
+            return ckpt(block, X, uncopyable).pow(2).sum()
         return ckpt(block, X).pow(2).sum()
 
     return loss
@@ -125,8 +147,8 @@ def _run(place, read, transform, entry, policy):
         ckpt = ckpt_guard.checkpoint
         scope = ckpt_guard.policy(policy)
     else:
-        def ckpt(f, x):
-            return torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+        def ckpt(f, *args):
+            return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
         scope = _Installed(policy)
     with scope, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -156,7 +178,7 @@ def _documented(exc: CheckpointCompositionError) -> bool:
 def test_a_hidden_read_is_right_or_refused(place, read, transform, entry):
     if read.startswith("added in place") and transform == "vmap(grad)":
         pytest.skip("vmap itself refuses a batched value added in place into an unbatched tensor (the plain program raises)")
-    reference = TRANSFORMS[transform](_program(place, read, lambda f, x: f(x)))
+    reference = TRANSFORMS[transform](_program(place, read, lambda f, *args: f(*args)))
     assert reference.abs().sum() > 0  # the hidden tensor matters to the gradient
     if entry == "ckpt_guard.checkpoint":  # strict: the reference's numbers, or a documented refusal
         try:

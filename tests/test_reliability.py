@@ -16,6 +16,7 @@ import threading
 import types
 import warnings
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -509,3 +510,102 @@ def test_a_path_to_a_trainable_model_is_not_using_it(case):
         out = _quietly(lambda: checkpoint(function, x, use_reentrant=True))
     assert events == []
     torch.testing.assert_close(out, function(x))
+
+
+class _LyingClass:
+    """An object whose ``__class__`` claims ``nn.Linear`` (as a ``Mock(spec=...)``'s does), with no module's state."""
+
+    @property
+    def __class__(self):
+        return torch.nn.Linear
+
+
+class _ClassLookupError(Exception):
+    pass
+
+
+class _RaisingClass:
+    @property
+    def __class__(self):
+        raise _ClassLookupError("__class__ of the user's raised")
+
+
+class _EqualityMeta(type):
+    def __eq__(cls, other):  # (defining __eq__ leaves the classes unhashable)
+        return cls is other
+
+    __hash__ = None
+
+
+class _UnhashableClass(metaclass=_EqualityMeta):
+    pass
+
+
+ODD_OBJECTS = {
+    "Mock(spec=nn.Linear)": lambda: mock.Mock(spec=torch.nn.Linear),
+    "MagicMock(spec=nn.Module)": lambda: mock.MagicMock(spec=torch.nn.Module),
+    "a lying __class__": _LyingClass,
+    "a raising __class__": _RaisingClass,
+    "a class with an unhashable metaclass": lambda: _UnhashableClass,
+    "an object of that class": _UnhashableClass,
+}
+_ODD_ENTRIES = {
+    "ckpt_guard.checkpoint": ckpt_guard.checkpoint,
+    "non-reentrant": functools.partial(checkpoint, use_reentrant=False),
+    "reentrant": functools.partial(checkpoint, use_reentrant=True),
+}
+
+
+@pytest.mark.parametrize("place", ["closure", "object attribute", "partial argument", "argument"])
+@pytest.mark.parametrize("odd", list(ODD_OBJECTS))
+def test_an_odd_object_near_the_block_is_not_the_guards_crash(odd, place):
+    """Mocks, a ``__class__`` that lies or raises, a class whose metaclass makes it unhashable, near a block
+    that never uses them: the walks took a Mock for a module and raised into the user's call, and an argument
+    whose ``__class__`` raised made the composable recompute's template keep the argument tuple as it was
+    (zero gradients, silently).  Through each entry, under each policy, eager and under grad: the plain
+    program's gradient, strict's refusal, or the very error raw torch raises there (torch's own checkpoint
+    flattens its arguments and asks their types)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3).double()
+    thing = ODD_OBJECTS[odd]()
+    holder = types.SimpleNamespace(layer=layer, odd=thing)
+    block, extra = {
+        "closure": (lambda t: torch.tanh(layer(t)) if thing is not None else t, ()),
+        "object attribute": (lambda t: torch.tanh(holder.layer(t)) if holder.odd is not None else t, ()),
+        "partial argument": (functools.partial(lambda o, t: torch.tanh(layer(t)), thing), ()),
+        "argument": (lambda t, o: torch.tanh(layer(t)), (thing,)),
+    }[place]
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def run(ckpt, how):
+        layer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if how == "eager backward":
+                ckpt(block, x.clone().requires_grad_(), *extra).sum().backward()
+                return layer.weight.grad
+            return torch.func.grad(lambda z: ckpt(block, z, *extra).sum())(x)
+
+    for how in ("eager backward", "grad"):
+        reference = run(lambda f, *args: f(*args), how)
+        for entry, ckpt in _ODD_ENTRIES.items():
+            # raw torch (ckpt_guard.checkpoint runs torch's non-reentrant checkpoint where it can)
+            torch_entry = _ODD_ENTRIES["non-reentrant" if entry == "ckpt_guard.checkpoint" else entry]
+            ckpt_guard.uninstall()
+            try:
+                raw = run(torch_entry, how)
+            except Exception as exc:  # noqa: BLE001
+                raw = exc
+            finally:
+                ckpt_guard.install("strict", rules={})
+            for policy in ("strict", "fallback"):
+                with ckpt_guard.policy(policy):
+                    try:
+                        got = run(ckpt, how)
+                    except CheckpointCompositionError:
+                        assert policy == "strict", (entry, how)
+                        continue
+                    except Exception as exc:  # noqa: BLE001
+                        assert type(exc) is type(raw), (entry, how, policy, exc)
+                        continue
+                torch.testing.assert_close(got, reference, msg=f"{entry}, {how}, {policy}")

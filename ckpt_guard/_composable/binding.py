@@ -456,13 +456,13 @@ class _Rebuild:
     """One pass over a block's graph: rebuilding it with ``swap``'s tensors (and ``fill``'s for holes),
     optionally recording what it meets."""
 
-    def __init__(
-        self, swap: Dict[int, Any], visit: Optional[Callable[[Any, bool], None]] = None,
-        fill: Optional[Any] = None,
-    ) -> None:
+    def __init__(self, swap: Dict[int, Any], visit: Optional[Callable[[Any, bool], None]] = None,
+                 fill: Optional[Any] = None) -> None:
         self.swap, self.fill, self.visit = swap, fill, visit  # visit(tensor_or_module, bindable)
         self.memo: Dict[int, Tuple[Any, bool]] = {}
-        self.budget, self.exhausted = _reads.BUDGET, False
+        #: placed: the ids of the tensors swapped in, in what the walk returns (a lifted tensor placed nowhere
+        #: is read unbound by the recompute: the plan refuses)
+        self.budget, self.exhausted, self.placed = _reads.BUDGET, False, []
         #: the globals walked as unbindable (ids), those queued, whether a walk drains them (:meth:`_walk_unbound`)
         self.walked_unbound, self.unbound_queue, self.draining = set(), [], [False]
 
@@ -475,19 +475,20 @@ class _Rebuild:
         done = self.memo.get(key)
         if done is not None:
             return done
-        if isinstance(obj, Tensor):
+        if issubclass(type(obj), Tensor):  # (by its real type, as every test here: a __class__ may raise)
             if self.visit is not None:
                 self.visit(obj, True)
             new = self.swap.get(key, _ABSENT)
             result = (obj, False) if new is _ABSENT else (new, True)
+            self.placed += () if new is _ABSENT else (key,)
             self.memo[key] = result
             return result
-        if isinstance(obj, Module):
+        if _reads.is_module(obj):
             if self.visit is not None:
                 self.visit(obj, True)
             self.memo[key] = (obj, False)
             return obj, False
-        if isinstance(obj, types.BuiltinMethodType) and isinstance(getattr(obj, "__self__", None), Tensor):
+        if type(obj) is types.BuiltinMethodType and isinstance(getattr(obj, "__self__", None), Tensor):
             owner, changed = self(obj.__self__)  # checkpoint(w.add, x): the method of the lifted tensor
             if not changed:
                 result = (obj, False)
@@ -497,17 +498,19 @@ class _Rebuild:
                 result = (getattr(owner, obj.__name__), True)
             self.memo[key] = result
             return result
-        if isinstance(obj, _reads.HOLDS_NOTHING) and not isinstance(obj, (types.FunctionType, functools.partial)):
+        if issubclass(type(obj), _reads.HOLDS_NOTHING) and not issubclass(type(obj), (types.FunctionType, functools.partial)):
             return obj, False
         self.budget -= 1
         if self.budget < 0:
             self.exhausted = True
             return obj, False
         self.memo[key] = (obj, False)  # a cycle leads back to the original
+        placed = len(self.placed)
         try:
             result = self._rebuild(obj)
-        except Exception:  # noqa: BLE001 - an object that cannot be copied stays as it is (the proof watches)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied stays as it is: nothing in it is bound
             result = (obj, False)
+            del self.placed[placed:]  # (the plan refuses where a lifted tensor is then placed nowhere)
         self.memo[key] = result
         return result
 
@@ -638,7 +641,7 @@ class _Rebuild:
     def _visit_unbindable(self, value: Any) -> None:
         """A global: its modules are still bound (through the module itself), nothing it holds is (a helper,
         ``HELPER = make(w)``, a partial, a bound method, a callable object, a dict or list of them, a namespace)."""
-        if isinstance(value, Module):
+        if _reads.is_module(value):
             self(value)
         elif self.visit is None:
             return
@@ -667,7 +670,7 @@ class _Rebuild:
         visit, self.draining[0] = self.visit, True
         try:
             while self.unbound_queue:
-                unbound = _Rebuild({}, lambda obj, bindable: visit(obj, bindable and isinstance(obj, Module)))  # type: ignore[misc]
+                unbound = _Rebuild({}, lambda obj, bindable: visit(obj, bindable and _reads.is_module(obj)))  # type: ignore[misc]
                 unbound.budget, unbound.walked_unbound, unbound.unbound_queue, unbound.draining = (
                     self.budget, self.walked_unbound, self.unbound_queue, self.draining)
                 unbound(self.unbound_queue.pop())
@@ -734,7 +737,7 @@ def holdings(function: Any, args: tuple, kwargs: dict) -> Holdings:
 
     def visitor(tensors: Dict[int, Tensor]) -> Callable[[Any, bool], None]:
         def visit(obj: Any, bindable: bool) -> None:
-            if isinstance(obj, Module):
+            if _reads.is_module(obj):
                 modules.setdefault(id(obj), obj)
             else:
                 (tensors if bindable else unbindable).setdefault(id(obj), obj)

@@ -76,6 +76,16 @@ def plan(
             )
             if _reverse_mode_possible(args, kwargs, held):
                 return why
+    if why is None and built.at_call.placed_nowhere:
+        why = Reason(
+            "unlifted-read",
+            "it is given a tensor that needs a gradient inside an object the recompute cannot rebuild with its "
+            "own tensors (copying the object raised): the recompute would read the call's tensor there (its "
+            "gradient would be lost)",
+            fix="pass that tensor to the block as an argument of its own, or make its holder copyable (copy.copy)",
+        )
+        if _reverse_mode_possible(args, kwargs, held):
+            return why
     if not built.at_call.inputs:
         return "it reads no tensor: there is nothing to recompute"
     built.refuse(why)  # no reverse mode can follow: the plain run is the result, whatever this says

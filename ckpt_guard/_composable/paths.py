@@ -15,7 +15,7 @@ import types
 from typing import Any, Deque, Iterator, Optional, Tuple
 
 from .._state import block_reads as _reads
-from .basics import Module, Tensor
+from .basics import Tensor
 from .binding import _FORWARD_HOOKS, _HOOK_FLAGS, module_attributes
 
 
@@ -30,7 +30,7 @@ def describe_path(function: Any, args: tuple, kwargs: dict, target: Any) -> Opti
         obj, path = queue.popleft()
         if obj is target:
             return path
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        if id(obj) in seen or issubclass(type(obj), (str, bytes, int, float, bool, type(None))):
             continue
         seen.add(id(obj))
         budget -= 1
@@ -52,7 +52,7 @@ def _root_name(function: Any) -> str:
 def _labelled_children(obj: Any, path: str) -> Iterator[Tuple[Any, str]]:
     if isinstance(obj, Tensor):
         return
-    if isinstance(obj, Module):
+    if _reads.is_module(obj):
         for store in ("_parameters", "_buffers", "_modules"):
             for name, value in obj.__dict__[store].items():
                 yield value, f"{path}.{name}"

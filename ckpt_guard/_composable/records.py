@@ -93,7 +93,7 @@ class CallRecord:
         self.flat_args: Optional[List[int]] = None
         #: ``(args, kwargs)`` with holes, where ``flat_args`` is None
         self.call_args: Any = None
-        if not kwargs and all(isinstance(a, Tensor) and id(a) in index for a in args):
+        if not kwargs and all(issubclass(type(a), Tensor) and id(a) in index for a in args):
             self.flat_args = [index[id(a)] for a in args]
         else:
             self.call_args = template((args, kwargs))[0]
@@ -126,6 +126,12 @@ class CallRecord:
             self.templated = self.templated or holes or always
         #: (module, name) of those plain attributes: the containers among them are watched in the forward
         self.attribute_names = [(module, name) for module, name, _ in attributes]
+        #: lifted inputs needing a gradient that no binding places (a module slot, the flat arguments, a hole in
+        #: the templates: an object holding one that copying refuses stays as it is): the recompute would read
+        #: the call's own tensor there, its gradient lost (``call.plan`` refuses)
+        placed = {id(t) for *_, t in slots} | set(templates[0].placed if templates else ())
+        placed |= {id(self.inputs[i]) for i in self.flat_args or ()}
+        self.placed_nowhere = [t for key, t in inputs.items() if key not in placed and _carries_gradient(t)]
         #: the call's grad mode: a block may branch on it (nn.TransformerEncoder's fast path)
         self.grad_mode = torch.is_grad_enabled()
         #: the transform on top at the call (its key), and for a jvp on top the inputs it wrapped:

@@ -74,7 +74,7 @@ REFUSAL_CLASSES = {
     "parametrize-cached": "torch.nn.utils.parametrize.cached(): its cache would hold the recompute's tensors",
     "tensor-subclass": "a tensor subclass with its own __torch_function__ (ExpandedWeights)",
     "global-tensor": "a tensor needing a gradient read through a global or a class attribute",
-    "unlifted-read": "a tensor needing a gradient read where the walk cannot bind it (found at run time)",
+    "unlifted-read": "a tensor needing a gradient read where the walk cannot bind it (found at run time), or held by an uncopyable object",
     "leaf-inside": "the block makes a tensor require grad (requires_grad_()): a leaf inside the checkpoint",
     "write-outside": "the block writes in place into a tensor it was neither given nor made",
     "unseen-update": "an input's memory changed in a way no torch function showed (a C extension)",

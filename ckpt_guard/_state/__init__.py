@@ -64,6 +64,7 @@ from .basics import _GONE as GONE  # noqa: F401 - "absent" in a captured record
 from .basics import (  # noqa: F401
     forward_ad,
     get_unwrapped,
+    is_module,
     is_functorch_wrapped_tensor,
     peek_interpreter_stack,
     len_dispatch_stack,

@@ -87,6 +87,19 @@ def hooks_put_back(aside: List[Any]) -> None:
 
 Tensor = torch.Tensor
 Module = torch.nn.Module
+
+
+def is_module(value: object) -> bool:
+    """Whether ``value`` is an ``nn.Module``: by its real type, or a proxy of one (a ``wrapt.ObjectProxy``, whose
+    ``__class__`` and attributes are the module's).  Not an object whose ``__class__`` only claims it (a
+    ``Mock(spec=nn.Linear)`` has no module's state) or raises: ``isinstance`` alone would take the first for a
+    module and raise with the second."""
+    if issubclass(type(value), Module):
+        return True
+    try:
+        return isinstance(value, Module) and type(getattr(value, "_parameters", None)) is dict
+    except Exception:  # noqa: BLE001 - a __class__ or an attribute lookup of the user's that raises
+        return False
 _GONE = object()
 _Generator = torch.Generator
 

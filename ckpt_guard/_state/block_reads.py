@@ -74,12 +74,14 @@ from types import MethodType
 from typing import Any, Iterator, List, Optional, Tuple
 
 
-import torch
 
+from .basics import Module, Tensor, is_module
 from .peel import function_of
 
-Module = torch.nn.Module
-Tensor = torch.Tensor
+
+
+def _module_or_tensor(value: Any) -> bool:
+    return issubclass(type(value), Tensor) or is_module(value)
 
 #: Methods that run a module whole.
 _CALL_METHODS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
@@ -134,7 +136,7 @@ class Reads:
                         yield f"{base}.{name}", owner, "__dict__", name, value
                     elif isinstance(value, (list, tuple, dict)) and len(value) <= 64 and not name.startswith("_"):
                         items = value.values() if isinstance(value, dict) else value
-                        todo.extend(m for m in items if isinstance(m, Module))
+                        todo.extend(m for m in items if is_module(m))
 
 
 def attribute(obj: Any, name: str) -> Any:
@@ -154,7 +156,7 @@ HOLDS_NOTHING = (
 LIBRARY_ROOTS = frozenset({
     "builtins", "torch", "typing", "enum", "math", "logging", "warnings", "functools",
     "itertools", "operator", "collections", "contextlib", "threading", "re", "os", "sys",
-    "abc", "dataclasses", "inspect", "weakref", "numbers", "copy", "numpy",
+    "abc", "dataclasses", "inspect", "weakref", "numbers", "copy", "numpy", "unittest",
 })
 #: How many values the complete walk looks at before it gives up (and says so):
 #: a block that holds a million-element list, or an object with a huge
@@ -168,19 +170,24 @@ PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 def only_plain(values: Any) -> bool:
     """Whether ``values`` are all numbers, strings or None (a config's table): checked at C speed."""
-    return PLAIN_TYPES.issuperset(map(type, values))
+    try:
+        return PLAIN_TYPES.issuperset(map(type, values))
+    except TypeError:  # a type whose metaclass makes it unhashable
+        return False
 
 
 def _walkable(value: Any) -> bool:
     """A function, partial, bound method or object of the user's a held value may hide a module behind."""
-    if isinstance(value, types.FunctionType):
+    if type(value) is types.FunctionType:
         return (getattr(value, "__module__", None) or "").split(".")[0] not in LIBRARY_ROOTS
-    return isinstance(value, functools.partial) or type(value) is MethodType or is_users_object(value)
+    return issubclass(type(value), functools.partial) or type(value) is MethodType or is_users_object(value)
 
 
 def is_users_object(value: Any) -> bool:
-    """Whether ``value`` is an object that might hide modules from the walk."""
-    if isinstance(value, HOLDS_NOTHING):
+    """Whether ``value`` is an object that might hide modules from the walk.  (Here and in every test of what
+    a value is, its real type: ``__class__``, which ``isinstance`` also asks, may lie, as a
+    ``Mock(spec=nn.Linear)``'s does, or raise.)"""
+    if issubclass(type(value), HOLDS_NOTHING):
         return False
     return _module_root(type(value)) not in LIBRARY_ROOTS
 
@@ -188,9 +195,9 @@ def is_users_object(value: Any) -> bool:
 def is_namespace(value: Any) -> bool:
     """Whether ``value`` is a class or a Python module of the user's, whose attributes code may read as a
     namespace's (``Layers.encoder``, ``models.encoder``): read by the names that code names."""
-    if isinstance(value, type):
+    if issubclass(type(value), type):
         return _module_root(value) not in LIBRARY_ROOTS
-    if isinstance(value, types.ModuleType):
+    if issubclass(type(value), types.ModuleType):
         name = attribute(value, "__name__")
         return isinstance(name, str) and name.split(".")[0] not in LIBRARY_ROOTS
     return False
@@ -201,7 +208,7 @@ def namespace_values(namespace: Any, names: frozenset) -> Tuple[ClassReads, list
     namespace: the attributes so named (a class's through its own classes, no metaclass code runs), and, of
     a class, the names its static and class methods and properties so named name in turn (:func:`names_read`;
     every attribute where one reads by a computed name)."""
-    if isinstance(namespace, types.ModuleType):
+    if issubclass(type(namespace), types.ModuleType):
         attributes = attribute(namespace, "__dict__")
         if not isinstance(attributes, dict):
             return _READS_NOTHING, []
@@ -230,7 +237,7 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool, int]:
     tensors, and the functions, partials, methods and objects of the user's to walk further.  One
     longer than ``limit``, or deeper, is not looked into (opaque).
     """
-    if isinstance(value, (Module, Tensor)) or _walkable(value) or is_namespace(value):
+    if _module_or_tensor(value) or _walkable(value) or is_namespace(value):
         return [value], False, 1
     if isinstance(value, (list, tuple, dict)):
         found: List[Any] = []
@@ -241,7 +248,7 @@ def _held(value: Any, limit: int = BUDGET) -> Tuple[List[Any], bool, int]:
             if looked > limit or depth == 0:
                 return found, True, looked
             for item in (container.values() if isinstance(container, dict) else container):
-                if isinstance(item, (Module, Tensor)) or _walkable(item) or is_namespace(item):
+                if _module_or_tensor(item) or _walkable(item) or is_namespace(item):
                     found.append(item)
                 elif isinstance(item, (list, tuple, dict)):
                     todo.append((item, depth - 1))
@@ -352,7 +359,7 @@ def reach_code(function: types.FunctionType) -> Tuple[frozenset, tuple]:
         except Exception:  # noqa: BLE001 - a function whose attributes cannot be read: its own names only
             continue
         for value in held:
-            if isinstance(value, Module):  # an object handed to a module's forward is read by that code
+            if is_module(value):  # an object handed to a module's forward is read by that code
                 helper = attribute(type(value), "forward")
             elif type(value) in (operator.attrgetter, operator.methodcaller):  # get(cfg): reads cfg.<its names>
                 names |= _getter_names(value)
@@ -475,8 +482,15 @@ class ClassReads:
     every_attribute: bool  # it reads by a computed name (``getattr``, ``vars``, a ``__getattr__``): all of them
 
 
-@functools.lru_cache(maxsize=1024)
 def names_read(cls: type, names: frozenset) -> ClassReads:
+    """:func:`read_names`, cached per class and names (a class whose metaclass makes it unhashable: read anew)."""
+    try:
+        return _names_read_cached(cls, names)
+    except TypeError:  # unhashable
+        return read_names(cls, names)
+
+
+def read_names(cls: type, names: frozenset) -> ClassReads:
     """What code that names ``names`` may read of an object of ``cls``.
 
     ``names``, and the names each method or property of the class they name names in turn
@@ -521,6 +535,7 @@ def names_read(cls: type, names: frozenset) -> ClassReads:
     return ClassReads(frozenset(found), tuple(methods), facts, slots, every)
 
 
+_names_read_cached = functools.lru_cache(maxsize=1024)(read_names)
 _READS_NOTHING = ClassReads(frozenset(), (), (), (), False)
 
 
@@ -548,16 +563,16 @@ def named_values(owner: Any, reads: ClassReads) -> list:
     for name in reads.names:
         if name not in attributes:
             held = next((members[name] for members in classes if name in members), None)
-            if isinstance(held, (Module, Tensor, list, tuple, dict)):
+            if issubclass(type(held), (Tensor, list, tuple, dict)) or is_module(held):
                 found.append((name, held))
-    if isinstance(owner, (dict, list, tuple)):  # a user's subclass (an AttrDict, a NamedTuple): its items too
+    if issubclass(type(owner), (dict, list, tuple)):  # a user's subclass (an AttrDict, a NamedTuple): its items too
         fields = getattr(type(owner), "_fields", None)
-        if isinstance(owner, tuple) and isinstance(fields, tuple) and not reads.every_attribute:
+        if issubclass(type(owner), tuple) and isinstance(fields, tuple) and not reads.every_attribute:
             found += [(field, tuple.__getitem__(owner, i)) for i, field in enumerate(fields[:len(owner)])
                       if field in reads.names]
         elif len(owner) <= BUDGET:  # as a plain container (read by its keys, or whole: _items_read)
-            found.append((None, dict(dict.items(owner)) if isinstance(owner, dict) else (
-                list.copy(owner) if isinstance(owner, list) else tuple(tuple.__iter__(owner)))))
+            found.append((None, dict(dict.items(owner)) if issubclass(type(owner), dict) else (
+                list.copy(owner) if issubclass(type(owner), list) else tuple(tuple.__iter__(owner)))))
     return found
 
 
@@ -575,7 +590,7 @@ def clear_caches() -> None:
     _global_names_of.clear()
     code_names.cache_clear()
     uses_itself.cache_clear()
-    names_read.cache_clear()
+    _names_read_cached.cache_clear()
 
 
 class _Named:
@@ -620,7 +635,7 @@ def reads_of(function: Any) -> Reads:
             # object of the user's it holds (none in the complete view)
             holder = function_of(obj) if not is_deep and look_into else None
             try:
-                if isinstance(obj, Module):
+                if is_module(obj):
                     found["deep" if is_deep else ("whole" if run_whole else "partial")].append(obj)
                 elif isinstance(obj, Tensor):
                     found["deep_tensors" if is_deep else "tensors"].append(obj)
@@ -633,7 +648,7 @@ def reads_of(function: Any) -> Reads:
                     direct_unseen = direct_unseen or (unseen and not is_deep)
                 elif type(obj) is MethodType:
                     owner = obj.__self__
-                    if isinstance(owner, Module):
+                    if is_module(owner):
                         name = attribute(obj.__func__, "__name__")
                         todo.append((owner, run_whole and name in _CALL_METHODS, False))
                     else:  # a method of the user's object: what the object holds, and the method
@@ -722,7 +737,7 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
         budget[0] -= looked
         unseen = unseen or opaque
         for v in found:
-            if isinstance(v, (Module, Tensor)):
+            if _module_or_tensor(v):
                 todo.append((v, False, False))
             elif is_namespace(v):  # the attributes the code holding it names (``Layers.encoder``)
                 if code is not None or holder is not None:

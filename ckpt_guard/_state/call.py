@@ -126,7 +126,7 @@ def _takes_grad_samples(hook: object) -> bool:
 
 
 def read_call_state(reentrant: bool, function: object, args: tuple, early_stop: bool = True) -> CallState:
-    tensors = [a for a in args if isinstance(a, Tensor)]
+    tensors = [a for a in args if issubclass(type(a), Tensor)]  # (its real type: a __class__ may raise)
     params = list(_reads.trainable_tensors(function))
     transforms = transform_stack()
     forward_ad_active = forward_ad._current_level >= 0

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from .basics import Module
+from .basics import Module, is_module
 from .block_reads import (
     EVERY_NAME, LIBRARY_ROOTS, attribute_values, code_names, global_names, is_namespace, is_users_object,
     method_names, names_read, namespace_values,
@@ -86,7 +86,7 @@ def closure_cells(function: types.FunctionType, with_globals: bool = True, helpe
             value = namespace.get(name, _ABSENT)
             if value is _ABSENT:
                 continue
-            if isinstance(value, _CODE):
+            if issubclass(type(value), _CODE):
                 if type(value) is types.FunctionType and not _installed_library(value):
                     follow(value)  # a helper of the user's: what it reads is read too
             else:
@@ -123,7 +123,7 @@ def object_slots(block: object, with_globals: bool = True) -> list:
     )
     label = type(instance).__name__
     for name, value in named:
-        if not isinstance(value, (Module, *_CODE)):
+        if not issubclass(type(value), (Module, *_CODE)):
             found.append((AttributeSlot(instance, name), f"the attribute {name!r} of the {label} object the block runs"))
     return found
 
@@ -248,7 +248,7 @@ def reached_modules(function: object) -> list:
 
     def visit(value: object, depth: int, names: frozenset = frozenset()) -> None:
         # names: what the code of the function holding ``value`` names (for a namespace it holds)
-        if isinstance(value, Module):
+        if is_module(value):
             found.setdefault(id(value), value)
             return
         kind = type(value)

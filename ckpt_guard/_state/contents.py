@@ -21,7 +21,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from . import block_reads as _reads
-from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, requires_grad_anywhere
+from .basics import Module, Tensor, _GONE, _Generator, _cell_contents, _version_of, is_module, requires_grad_anywhere
 from .closures import closure_cells, object_slots
 from .modules import block_module, _structure, module_containers_seen, module_generators_seen, snapshot_roots
 
@@ -43,6 +43,14 @@ _ATOMS = frozenset({
     torch.dtype, torch.device, torch.Size,
 })
 _SCALARS = _ATOMS - {Tensor, torch.nn.Parameter}
+
+
+def _in(kinds: frozenset, value: object) -> bool:
+    """Whether ``value``'s type is one of ``kinds`` (False for a type whose metaclass makes it unhashable)."""
+    try:
+        return type(value) in kinds
+    except TypeError:
+        return False
 #: how many containers deep, and how many containers and tensors per root, the capture looks
 _CONTENTS_DEPTH, _CONTENTS_BUDGET = 4, 256
 #: a container longer than this is recorded by its length and last values (a per-call
@@ -70,11 +78,12 @@ def _object_state(value: object) -> Optional[dict]:
 
 def _container_kind(value: object) -> Optional[str]:
     """"list", "dict" or "object" for a value whose contents the block could change in place; else None."""
-    if isinstance(value, list):
+    kind = type(value)
+    if issubclass(kind, list):
         return "list"
-    if isinstance(value, dict):
+    if issubclass(kind, dict):
         return "dict"
-    if isinstance(value, (Tensor, Module, tuple, type, types.FunctionType, types.MethodType, functools.partial)):
+    if issubclass(kind, (Tensor, tuple, type, types.FunctionType, types.MethodType, functools.partial)) or is_module(value):
         return None
     root = (getattr(type(value), "__module__", None) or "").split(".")[0]
     if root in _reads.LIBRARY_ROOTS or root == "ckpt_guard" or _object_state(value) is None:
@@ -104,12 +113,12 @@ def argument_roots(
                 values.append(("{}", what, cell.cell_contents))
             except ValueError:  # an empty cell
                 continue
-    elif not isinstance(function, Module):  # a plain object's method, a callable object: its attributes
+    elif not is_module(function):  # a plain object's method, a callable object: its attributes
         values += [("{}", what, slot.cell_contents) for slot, what in object_slots(function, with_globals=False)]
     for label, which, value in values:
-        if type(value) in _ATOMS:
+        if _in(_ATOMS, value):
             continue
-        if modules is not None and isinstance(value, Module):
+        if modules is not None and is_module(value):
             modules.append(value)
         elif holds_container(value):
             roots.append((label.format(which), value))
@@ -119,7 +128,7 @@ def argument_roots(
 def holds_container(value: object) -> bool:
     if type(value) is tuple:  # a tuple of tensors (rotary embeddings) is the usual non-tensor argument
         for item in value:
-            if type(item) not in _ATOMS and holds_container(item):
+            if not _in(_ATOMS, item) and holds_container(item):
                 return True
         return False
     return type(value) is _Generator or _container_kind(value) is not None
@@ -170,9 +179,9 @@ def contents_snapshot(roots: list, generators: Optional[list] = None, unrecorded
                     unrecorded.append(stack[-1][2])
                 break
             value, depth, path = stack.pop()
-            if type(value) in _SCALARS or id(value) in seen:
+            if _in(_SCALARS, value) or id(value) in seen:
                 continue
-            if isinstance(value, Tensor):
+            if issubclass(type(value), Tensor):  # (its real type: an object's __class__ may raise)
                 seen.add(id(value))
                 budget -= 1
                 if depth:  # an argument tensor itself: torch checks its version
@@ -230,7 +239,7 @@ def _wrapper_held(value: object, depth: int, seen: set) -> bool:
     user's own class is state the record cannot see."""
     if type(value) is types.FunctionType:
         return _stateless(value, depth, seen)
-    if _immutable(value) or isinstance(value, _STATELESS):
+    if _immutable(value) or issubclass(type(value), _STATELESS):
         return True
     if type(value) in (dict, list, tuple, set, frozenset):
         items = value.values() if type(value) is dict else value  # type: ignore[attr-defined]
@@ -279,26 +288,26 @@ def _stateless(value: object, depth: int = 4, seen: Optional[set] = None) -> boo
             if not (name == "__class__" or _stateless(content, depth - 1, seen)):
                 return False
         return True
-    if isinstance(value, (staticmethod, classmethod)):
+    if issubclass(type(value), (staticmethod, classmethod)):
         return _stateless(value.__func__, depth, seen)
-    if isinstance(value, property):
+    if issubclass(type(value), property):
         return all(f is None or _stateless(f, depth, seen) for f in (value.fget, value.fset, value.fdel))
-    if isinstance(value, functools.cached_property):  # it stores into the instance __dict__, which is recorded
+    if issubclass(type(value), functools.cached_property):  # it stores into the instance __dict__, which is recorded
         return _stateless(value.func, depth, seen)
-    if isinstance(value, types.ModuleType):  # a namespace anyone may write to: torch's are taken as constant
+    if issubclass(type(value), types.ModuleType):  # a namespace anyone may write to: torch's are taken as constant
         return (value.__name__ or "").split(".")[0] == "torch"
-    if isinstance(value, types.BuiltinFunctionType):  # len, math.sqrt; not log.append or rng.random
+    if issubclass(type(value), types.BuiltinFunctionType):  # len, math.sqrt; not log.append or rng.random
         owner = getattr(value, "__self__", None)
-        return owner is None or isinstance(owner, types.ModuleType)
-    return isinstance(value, _STATELESS)
+        return owner is None or issubclass(type(owner), types.ModuleType)
+    return issubclass(type(value), _STATELESS)
 
 
 def _immutable(value: object) -> bool:
     """A number, string, dtype, shape, enum member, or a tuple / frozenset of such values or of
     operators and classes."""
     if type(value) in (tuple, frozenset):
-        return all(_immutable(item) or isinstance(item, _STATELESS[2:]) for item in value)  # type: ignore[attr-defined]
-    return type(value) in _SCALARS or isinstance(value, enum.Enum)
+        return all(_immutable(item) or issubclass(type(item), _STATELESS[2:]) for item in value)  # type: ignore[attr-defined]
+    return _in(_SCALARS, value) or issubclass(type(value), enum.Enum)
 
 
 _NO_ARGUMENT_STATE = ((), ())
@@ -316,7 +325,7 @@ def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict
         or (kind is types.MethodType and isinstance(function.__self__, Module))
     ):
         for value in inputs:
-            if type(value) not in _ATOMS:
+            if not _in(_ATOMS, value):
                 break
         else:
             if not module_generators_seen[0] and not module_containers_seen[0]:
@@ -423,7 +432,7 @@ def _same_value(a: object, b: object) -> bool:
         return True
     if type(a) is not type(b):
         return False
-    if type(a) in _SCALARS:
+    if _in(_SCALARS, a):
         return a == b
     return type(a) in (tuple, frozenset) and _immutable(a) and _immutable(b) and a == b
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import _files
-from .basics import Module, _GONE, _Generator, _cell_contents
+from .basics import Module, _GONE, _Generator, _cell_contents, is_module
 from .block_reads import code_names
 from .closures import block_slots, closure_cells, object_slots, reached_modules
 from .peel import innermost_partial, peel
@@ -325,7 +325,7 @@ def _partial_target(function: functools.partial) -> object:
     (the layer's own hooks stay outside the checkpoint; its submodules' run inside).
     """
     args, func = function.args, function.func
-    if args and type(func) is types.FunctionType and isinstance(args[0], Module):
+    if args and type(func) is types.FunctionType and is_module(args[0]):
         # a method of the module's class (by its qualified name: transformers hands on the class's
         # forward from before it wrapped it), or a helper that closes over nothing (what it reads
         # is the module); a helper with a closure is a function, its cells watched (CKG110)
@@ -583,7 +583,7 @@ def _module_paths(function: object) -> dict:
         code = getattr(block, "__code__", None)
         cells = getattr(block, "__closure__", None) or ()
         names = code.co_freevars if code is not None else ()
-        roots = [(name, value) for name, value in zip(names, map(_cell_contents, cells)) if isinstance(value, Module)]
+        roots = [(name, value) for name, value in zip(names, map(_cell_contents, cells)) if is_module(value)]
     paths: dict = {}
     for prefix, root in roots:
         structure = _structure(root)
