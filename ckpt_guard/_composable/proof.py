@@ -42,7 +42,6 @@ tensors, with the forward's RNG, dtype and device replayed.
 from __future__ import annotations
 
 import sys
-import types
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
@@ -53,7 +52,7 @@ from torch._C._functorch import maybe_get_level as _maybe_get_level
 from torch.overrides import TorchFunctionMode
 
 from .. import _files
-from .._state import is_user_generator, requires_grad_anywhere, requires_grad_of
+from .._state import is_user_generator, member_functions, requires_grad_anywhere, requires_grad_of
 from .basics import _storage_start
 
 Tensor = torch.Tensor
@@ -452,8 +451,8 @@ def _held_by_function_class(cls: type) -> list:
         if klass.__module__.startswith("torch"):
             break
         for value in list(vars(klass).values()):
-            function = getattr(value, "__func__", value)
-            if isinstance(function, types.FunctionType):
+            functions = member_functions(value)
+            for function in functions:
                 for cell in function.__closure__ or ():
                     try:
                         take(cell.cell_contents, 2)
@@ -463,7 +462,7 @@ def _held_by_function_class(cls: type) -> list:
                 for name in function.__code__.co_names:
                     if name in namespace:
                         take(namespace[name], 2)
-            else:
+            if not functions:
                 take(value, 1)
     return list(found.values())
 

@@ -131,6 +131,7 @@ from .backward import (  # noqa: F401
     reentrant_backward_builds_graph,
 )
 from .closures import globals_read, replaying_globals  # noqa: F401
+from .peel import member_functions  # noqa: F401
 from .modules import (  # noqa: F401
     attributes_values_only,
     bindings_values_only,

@@ -76,7 +76,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 
 from .basics import Module, Tensor, is_module
-from .peel import function_of
+from .peel import function_of, member_functions
 
 
 
@@ -511,15 +511,16 @@ def read_names(cls: type, names: frozenset) -> ClassReads:
     opaque = False  # a member whose code cannot be read (a descriptor of the user's, property(attrgetter(...)))
     while todo:
         member = todo.pop()
-        value = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
-        code = getattr(value, "__code__", None)
-        if type(value) is not types.FunctionType:
+        functions = member_functions(member, reading=True)
+        if not functions:
             getter = getattr(type(member), "__get__", None)
             if isinstance(getter, types.FunctionType):  # a descriptor written in Python: what its __get__ reads
                 todo.append(getter)
             else:  # property(attrgetter(...)): code that cannot be read
-                opaque = opaque or (isinstance(member, property) and value is not None)
+                opaque = opaque or (isinstance(member, property) and member.fget is not None)
             continue
+        value = functions[0]
+        code = value.__code__
         if code in done:
             continue
         done.add(code)

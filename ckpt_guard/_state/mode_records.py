@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from . import block_reads as _reads
 from .basics import Tensor, _GONE, _version_of, requires_grad_anywhere, top_saved_tensor_hooks
+from .peel import member_functions
 from .contents import (
     _ATOMS, _CONTENTS_BUDGET, _cell_contents, _count, _full, _generator_states, _immutable, _is_long,
     _object_state, _same_value, _shallow, _stateless, changed_at_all, contents_snapshot, moved_generators,
@@ -219,10 +220,8 @@ def _reachable_from(cls: type) -> tuple:
     stack = [value for klass in classes for value in vars(klass).values()]
     while stack and len(seen) <= _CONTENTS_BUDGET:
         value = stack.pop()
-        if isinstance(value, (staticmethod, classmethod)):
-            value = value.__func__
-        elif isinstance(value, property):
-            stack += [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+        if type(value) is not types.FunctionType and member_functions(value):  # a static method, a property
+            stack += member_functions(value)
             continue
         if id(value) in seen:
             continue

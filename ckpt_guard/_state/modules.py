@@ -24,7 +24,7 @@ from .. import _files
 from .basics import Module, _GONE, _Generator, _cell_contents, is_module
 from .block_reads import code_names
 from .closures import block_slots, closure_cells, object_slots, reached_modules
-from .peel import innermost_partial, peel
+from .peel import innermost_partial, member_functions, peel
 
 
 # --------------------------------------------------------------------------
@@ -770,12 +770,8 @@ def _read_names(cls: type) -> tuple:
             if (getattr(klass, "__module__", None) or "").split(".")[0] in _LIBRARY_ROOTS:
                 continue
             for value in list(vars(klass).values()):
-                function = getattr(value, "__func__", value)
-                if isinstance(value, property):
-                    function = value.fget
-                code = getattr(function, "__code__", None)
-                if code is not None:
-                    names.update(code_names(code))
+                for function in member_functions(value, reading=True):
+                    names.update(code_names(function.__code__))
         known = _read_names_of[cls] = tuple(sorted(names - _MODULE_INTERNALS))
     return known
 

@@ -16,6 +16,9 @@ run" peels them the same way, here:
 * :func:`function_of`: the Python function that runs (a bound method's
   ``__func__``), for the names its code reads.
 
+And :func:`member_functions`, the same question of a class's member: the
+functions a static or class method, a property or a cached property runs.
+
 The walks of what a block reaches (``block_reads``, ``closures``, the
 composable recompute's binding) open a partial or a method one level at a time
 instead: they need each part with the edge it was found on.
@@ -69,3 +72,22 @@ def function_of(block: Any) -> Optional[types.FunctionType]:
     if type(runs) is _METHOD:
         runs = runs.__func__
     return runs if isinstance(runs, types.FunctionType) else None
+
+
+def member_functions(member: Any, reading: bool = False) -> tuple:
+    """The Python functions a class member may run: a plain function itself, a static or class method's
+    ``__func__``, a property's getter, setter and deleter (``reading``: its getter only, what reading the
+    attribute runs), a ``functools.cached_property``'s function; ``()`` for anything else (a value, a
+    descriptor of the user's, whose ``__get__`` a reader may follow on its own terms)."""
+    kind = type(member)
+    if kind is types.FunctionType:
+        return (member,)
+    if issubclass(kind, (staticmethod, classmethod)):
+        function = member.__func__
+        return (function,) if type(function) is types.FunctionType else ()
+    if issubclass(kind, property):
+        accessors = (member.fget,) if reading else (member.fget, member.fset, member.fdel)
+        return tuple(f for f in accessors if type(f) is types.FunctionType)
+    if issubclass(kind, functools.cached_property):
+        return (member.func,) if type(member.func) is types.FunctionType else ()
+    return ()
