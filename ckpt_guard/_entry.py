@@ -25,6 +25,7 @@ from ._rules import DRIFT_RULES
 from ._rules import Rule
 from .checkpoint_policies import is_policy_not_context_fn, names_policy_of
 from ._state import block_reads as _reads
+from ._state import is_module as _is_module
 
 _Tensor = _torch.Tensor
 _forward_ad, _peek_interpreter_stack = _state.forward_ad, _state.peek_interpreter_stack
@@ -36,7 +37,7 @@ def _swapped_parameters(function: Any, args: tuple = ()) -> bool:
     On every eager ``ckpt_guard.checkpoint`` call: about 4 µs for a transformer layer
     (``type(...) is`` first; ``isinstance`` on a Parameter goes through a metaclass).
     """
-    stack = [*_reads.reads_of(function).complete().modules, *(a for a in args if _state.is_module(a))]
+    stack = [*_reads.reads_of(function).complete().modules, *(a for a in args if _is_module(a))]
     while stack:
         module = stack.pop()
         if module is None:
