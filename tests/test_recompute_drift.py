@@ -441,6 +441,18 @@ def _run_module(module, t):
     return module(t)
 
 
+class _Gan(torch.nn.Module):
+    """A module holding the generator ``G`` its block runs and a discriminator ``D`` it never does (a
+    LightningModule's ``self.generator``)."""
+
+    def __init__(self, G, D):
+        super().__init__()
+        self.G, self.D = G, D
+
+    def generate(self, t):
+        return torch.tanh(self.G(t))
+
+
 class _ApplyTo(torch.nn.Module):
     """A module of the user's whose ``forward`` is handed an object and reads ``config.layer`` of it."""
 
@@ -521,6 +533,11 @@ def _reach(path: str, layer: torch.nn.Module, spare: torch.nn.Module):
     if path == "an object handed to a module's forward, in a closure":
         apply, config = _ApplyTo(), types.SimpleNamespace(layer=layer, spare=spare)
         return lambda t: torch.tanh(apply(config, t))
+    if path == "a submodule of a module in a closure":
+        gan = _Gan(layer, spare)
+        return lambda t: torch.tanh(gan.G(t))
+    if path == "a module's own method":
+        return _Gan(layer, spare).generate
     raise AssertionError(path)
 
 
@@ -534,11 +551,15 @@ REACH_PATHS = (
     "a helper function in a closure", "a function an object holds, in a closure",
     "a partial an object holds, in a closure", "a class used as a namespace, in a closure",
     "a Python module's attribute, in a closure", "an attrgetter in a closure",
-    "an object handed to a module's forward, in a closure",
+    "an object handed to a module's forward, in a closure", "a submodule of a module in a closure",
+    "a module's own method",
 )
 #: where the direct view counts the spare too (conservative, documented in docs/limits.md): a dict whose
 #: class reads items as attributes (``__getattr__``) makes every attribute, so every item, count
 _COUNT_EVERY_ITEM = frozenset({"an AttrDict in a closure"})
+#: where a module holding the spare is the block's too, used in part: CKG006 and CKG003 count every trainable
+#: parameter of it (conservative, documented), so the block's layer frozen does not make them quiet
+_COUNT_THE_PARENT = frozenset({"a submodule of a module in a closure", "a module's own method"})
 #: the paths where an object of the user's holds the spare module too (a class or a Python module used as a
 #: namespace holds it too, but is read by the names its code names there as well)
 _HOLD_THE_SPARE = frozenset(REACH_PATHS) - {
@@ -678,7 +699,7 @@ def _frozen_block_is_quiet(probe, path, use_reentrant, rule):
     """With the block's layer frozen (its object's spare still trains), strict is quiet and the result is the
     plain one (no gradient); where the direct view counts every item, ``rule`` fires (conservative, documented)."""
     frozen = functools.partial(probe, trainable=False)
-    if path in _COUNT_EVERY_ITEM:
+    if path in _COUNT_EVERY_ITEM | _COUNT_THE_PARENT:
         with pytest.raises(CheckpointCompositionError, match=rule):
             run_guarded(frozen, use_reentrant, "strict")
         return
@@ -794,6 +815,28 @@ def test_what_a_block_reads_through_operator_getters():
     }
     for name, (block, expected) in blocks.items():
         assert set(reads_of(block).modules) == expected, name
+
+
+def test_a_namespace_is_read_by_the_names_its_code_names():
+    """A class or a Python module of the user's used as a namespace counts by the attributes the code holding it
+    names; a computed read elsewhere in that code (``getattr(torch, name)``) is not one of the namespace's (a
+    review found it made a module of thousands of names read whole on every call, and blamed all it holds)."""
+    from ckpt_guard._state.block_reads import reads_of
+    from ckpt_guard._state.closures import reached_modules
+
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    models = types.ModuleType("user_models")
+    models.layer, models.spare = a, b
+    layers = type("Layers", (), {"layer": a, "spare": b})
+    blocks = {
+        "a Python module's attribute": lambda t: models.layer(t),
+        "a class's attribute": lambda t: layers.layer(t),
+        "getattr elsewhere in the block": lambda t: getattr(torch, "tanh")(models.layer(t)),
+        "getattr elsewhere, with a class": lambda t: getattr(t, "scale", 1.0) * layers.layer(t),
+    }
+    for name, block in blocks.items():
+        assert set(reads_of(block).modules) == {a}, name
+        assert set(reached_modules(block)) == {a}, name
 
 
 @pytest.mark.parametrize("how", ["the trainer's method", "a closure calling it"])

@@ -541,6 +541,19 @@ class _UnhashableClass(metaclass=_EqualityMeta):
     pass
 
 
+class _RaisingMroMeta(type):
+    @property
+    def __mro__(cls):
+        raise _ClassLookupError("__mro__ of the user's raised")
+
+
+class _RaisingMroClass(metaclass=_RaisingMroMeta):
+    pass
+
+
+_PROXIED = torch.nn.Linear(3, 3)  # (what a weakref.proxy near the block refers to)
+
+
 ODD_OBJECTS = {
     "Mock(spec=nn.Linear)": lambda: mock.Mock(spec=torch.nn.Linear),
     "MagicMock(spec=nn.Module)": lambda: mock.MagicMock(spec=torch.nn.Module),
@@ -548,6 +561,8 @@ ODD_OBJECTS = {
     "a raising __class__": _RaisingClass,
     "a class with an unhashable metaclass": lambda: _UnhashableClass,
     "an object of that class": _UnhashableClass,
+    "a class whose __mro__ raises": lambda: _RaisingMroClass,
+    "a weakref.proxy of a module": lambda: weakref.proxy(_PROXIED),
 }
 _ODD_ENTRIES = {
     "ckpt_guard.checkpoint": ckpt_guard.checkpoint,

@@ -7,6 +7,7 @@ May not touch: anything stateful; every reader may import from here, this import
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -89,6 +90,9 @@ Tensor = torch.Tensor
 Module = torch.nn.Module
 
 
+_WEAK_PROXIES = weakref.ProxyTypes
+
+
 def is_module(value: object) -> bool:
     """Whether ``value`` is an ``nn.Module``: by its real type, or a proxy of one (a ``wrapt.ObjectProxy``, whose
     ``__class__`` and attributes are the module's).  Not an object whose ``__class__`` only claims it (a
@@ -96,6 +100,8 @@ def is_module(value: object) -> bool:
     module and raise with the second."""
     if issubclass(type(value), Module):
         return True
+    if type(value) in _WEAK_PROXIES:  # (a weakref.proxy: no walk can keep a weak reference to it)
+        return False
     try:
         return isinstance(value, Module) and type(getattr(value, "_parameters", None)) is dict
     except Exception:  # noqa: BLE001 - a __class__ or an attribute lookup of the user's that raises

@@ -207,13 +207,15 @@ def namespace_values(namespace: Any, names: frozenset) -> Tuple[ClassReads, list
     """``(reads, [(name, value)])``: what code naming ``names`` reads of a class or a Python module used as a
     namespace: the attributes so named (a class's through its own classes, no metaclass code runs), and, of
     a class, the names its static and class methods and properties so named name in turn (:func:`names_read`;
-    every attribute where one reads by a computed name)."""
+    every attribute where one of those reads by a computed name).  A computed read in the code holding it
+    (``getattr(torch, name)``, ``getattr(x, "scale", 1)``) is not taken for one of the namespace's: that
+    made a module of hundreds of names read whole on every call, and blamed its every model (a
+    ``getattr(models, name)`` is unseen: docs/limits.md)."""
+    names = names - _COMPUTED_READS
     if issubclass(type(namespace), types.ModuleType):
         attributes = attribute(namespace, "__dict__")
         if not isinstance(attributes, dict):
             return _READS_NOTHING, []
-        if not names.isdisjoint(_COMPUTED_READS):  # getattr(models, name): any of them
-            return ClassReads(names, (), (), (), True), list(attributes.items())
         return ClassReads(names, (), (), (), False), [(name, attributes[name]) for name in names if name in attributes]
     reads = names_read(namespace, names)
     members: dict = {}
@@ -652,6 +654,8 @@ def reads_of(function: Any) -> Reads:
                     if is_module(owner):
                         name = attribute(obj.__func__, "__name__")
                         todo.append((owner, run_whole and name in _CALL_METHODS, False))
+                        if not (run_whole and name in _CALL_METHODS) and holder is not None:  # gan.generate: self.G
+                            todo += [(m, False, False) for m in named_submodules(owner, code_names(holder.__code__))]
                     else:  # a method of the user's object: what the object holds, and the method
                         if is_users_object(owner):
                             if is_deep:
@@ -707,6 +711,29 @@ def _follow_named(reached: _Named, todo: list, deeper: list, budget: list) -> bo
     return _queue_held(values, todo, deeper, budget, code=(reads.names, facts))
 
 
+#: how many submodules deep :func:`named_submodules` follows names (``self.gan.G.body``)
+_SUBMODULE_DEPTH = 4
+
+
+def named_submodules(module: Module, names: frozenset) -> List[Module]:
+    """The submodules of ``module`` that code naming ``names`` reaches by name (``gan.G``: a LightningModule's
+    ``self.generator``, and their named submodules in turn): a module used in part is counted as a whole only
+    where all of it changed (CKG108), so the part the code names is counted too."""
+    found: List[Module] = []
+    todo = [(module, _SUBMODULE_DEPTH)]
+    while todo:
+        parent, depth = todo.pop()
+        children = vars(parent).get("_modules") if depth else None
+        if type(children) is not dict:
+            continue
+        for name in names.intersection(children):
+            child = children[name]
+            if is_module(child) and all(child is not m for m in found):
+                found.append(child)
+                todo.append((child, depth - 1))
+    return found
+
+
 def _items_read(value: Any, keys: Optional[frozenset]) -> Any:
     """Of a dict, list or tuple an object's attribute holds, the items the code's constant keys read
     (``self.nets["G"]``, not ``self.nets["D"]``); all of it where the keys are not known."""
@@ -740,6 +767,9 @@ def _queue_held(values: Any, todo: list, deeper: list, budget: list, holder: Any
         for v in found:
             if _module_or_tensor(v):
                 todo.append((v, False, False))
+                if (code is not None or holder is not None) and is_module(v):  # ``gan.G(z)``: gan.G, by name
+                    names = code[0] if code is not None else code_names(holder.__code__)
+                    todo += [(m, False, False) for m in named_submodules(v, names)]
             elif is_namespace(v):  # the attributes the code holding it names (``Layers.encoder``)
                 if code is not None or holder is not None:
                     names, facts = code if code is not None else (code_names(holder.__code__), (code_facts(holder.__code__),))

@@ -276,7 +276,10 @@ def reached_modules(function: object) -> list:
             for item in itertools.islice(value.values(), REACH_ITEMS):
                 visit(item, depth - 1, names)
         elif is_namespace(value):  # a class or a Python module: what the code holding it names of it
-            reads, named = namespace_values(value, names)
+            try:
+                reads, named = namespace_values(value, names)
+            except Exception:  # noqa: BLE001 - a metaclass of the user's whose __mro__ raises, say
+                return
             for method in reads.methods:
                 visit(method, depth - 1)
             for _, item in named[:REACH_ITEMS]:
