@@ -239,7 +239,8 @@ def test_a_closure_is_named_as_the_function_that_reads_a_module_not_as_the_modul
         "checkpointed: Sequential at block (in _Closures)",
     ]
     assert _checkpointed_lines(lambda: grad(_Closures(closure=True))(torch.randn(4))) == [
-        "checkpointed: function _Closures.forward.<locals>.<lambda>, which reads _Closures",  # its closure: self
+        # its closure holds self; the code names self.block, the submodule it runs
+        "checkpointed: function _Closures.forward.<locals>.<lambda>, which reads Sequential at block (in _Closures)",
     ]
 
 

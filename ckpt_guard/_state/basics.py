@@ -103,7 +103,7 @@ def is_module(value: object) -> bool:
     if type(value) in _WEAK_PROXIES:  # (a weakref.proxy: no walk can keep a weak reference to it)
         return False
     try:
-        return isinstance(value, Module) and type(getattr(value, "_parameters", None)) is dict
+        return isinstance(value, Module) and isinstance(getattr(value, "_parameters", None), dict)
     except Exception:  # noqa: BLE001 - a __class__ or an attribute lookup of the user's that raises
         return False
 _GONE = object()

@@ -724,7 +724,7 @@ def named_submodules(module: Module, names: frozenset) -> List[Module]:
     while todo:
         parent, depth = todo.pop()
         children = vars(parent).get("_modules") if depth else None
-        if type(children) is not dict:
+        if not isinstance(children, dict):  # (an OrderedDict before torch 2.5)
             continue
         for name in names.intersection(children):
             child = children[name]
