@@ -480,7 +480,8 @@ class _Rebuild:
                 self.visit(obj, True)
             new = self.swap.get(key, _ABSENT)
             result = (obj, False) if new is _ABSENT else (new, True)
-            self.placed += () if new is _ABSENT else (key,)
+            if new is not _ABSENT:
+                self.placed.append(key)
             self.memo[key] = result
             return result
         if _reads.is_module(obj):

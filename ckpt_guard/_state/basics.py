@@ -90,9 +90,6 @@ Tensor = torch.Tensor
 Module = torch.nn.Module
 
 
-_WEAK_PROXIES = weakref.ProxyTypes
-
-
 def is_module(value: object) -> bool:
     """Whether ``value`` is an ``nn.Module``: by its real type, or a proxy of one (a ``wrapt.ObjectProxy``, whose
     ``__class__`` and attributes are the module's).  Not an object whose ``__class__`` only claims it (a
@@ -100,12 +97,14 @@ def is_module(value: object) -> bool:
     module and raise with the second."""
     if issubclass(type(value), Module):
         return True
-    if type(value) in _WEAK_PROXIES:  # (a weakref.proxy: no walk can keep a weak reference to it)
+    if type(value) in weakref.ProxyTypes:  # (a weakref.proxy: no walk can keep a weak reference to it)
         return False
     try:
         return isinstance(value, Module) and isinstance(getattr(value, "_parameters", None), dict)
     except Exception:  # noqa: BLE001 - a __class__ or an attribute lookup of the user's that raises
         return False
+
+
 _GONE = object()
 _Generator = torch.Generator
 

@@ -73,15 +73,14 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Iterator, List, Optional, Tuple
 
-
-
 from .basics import Module, Tensor, is_module
 from .peel import function_of, member_functions
 
 
-
 def _module_or_tensor(value: Any) -> bool:
+    """A tensor or a module, by its real type (:func:`~.basics.is_module`)."""
     return issubclass(type(value), Tensor) or is_module(value)
+
 
 #: Methods that run a module whole.
 _CALL_METHODS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
@@ -168,12 +167,18 @@ BUDGET = 5000
 PLAIN_TYPES = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
+def types_within(kinds: frozenset, values: Any) -> bool:
+    """Whether every value's type is one of ``kinds``, checked at C speed (False where a type's metaclass makes
+    it unhashable)."""
+    try:
+        return kinds.issuperset(map(type, values))
+    except TypeError:
+        return False
+
+
 def only_plain(values: Any) -> bool:
     """Whether ``values`` are all numbers, strings or None (a config's table): checked at C speed."""
-    try:
-        return PLAIN_TYPES.issuperset(map(type, values))
-    except TypeError:  # a type whose metaclass makes it unhashable
-        return False
+    return types_within(PLAIN_TYPES, values)
 
 
 def _walkable(value: Any) -> bool:
@@ -487,9 +492,10 @@ class ClassReads:
 def names_read(cls: type, names: frozenset) -> ClassReads:
     """:func:`read_names`, cached per class and names (a class whose metaclass makes it unhashable: read anew)."""
     try:
-        return _names_read_cached(cls, names)
-    except TypeError:  # unhashable
+        hash(cls)
+    except TypeError:
         return read_names(cls, names)
+    return _names_read_cached(cls, names)
 
 
 def read_names(cls: type, names: frozenset) -> ClassReads:

@@ -45,20 +45,14 @@ _ATOMS = frozenset({
 _SCALARS = _ATOMS - {Tensor, torch.nn.Parameter}
 
 
-def _only_atoms(values: Sequence[object]) -> bool:
-    """Whether every value is of a type in :data:`_ATOMS`, at C speed (False where a type is unhashable)."""
-    try:
-        return _ATOMS.issuperset(map(type, values))
-    except TypeError:
-        return False
-
-
 def _in(kinds: frozenset, value: object) -> bool:
     """Whether ``value``'s type is one of ``kinds`` (False for a type whose metaclass makes it unhashable)."""
     try:
         return type(value) in kinds
     except TypeError:
         return False
+
+
 #: how many containers deep, and how many containers and tensors per root, the capture looks
 _CONTENTS_DEPTH, _CONTENTS_BUDGET = 4, 256
 #: a container longer than this is recorded by its length and last values (a per-call
@@ -332,7 +326,7 @@ def argument_state(function: object, inputs: tuple = (), keywords: Optional[dict
         isinstance(function, Module) or (kind is types.FunctionType and not function.__closure__)
         or (kind is types.MethodType and isinstance(function.__self__, Module))
     ):
-        if _only_atoms(inputs):
+        if _reads.types_within(_ATOMS, inputs):
             if not module_generators_seen[0] and not module_containers_seen[0]:
                 return _NO_ARGUMENT_STATE
             found = _module_generators(function)
